@@ -1,0 +1,21 @@
+"""dcpjax: Decode Context Parallelism for long-context LLM decoding in JAX."""
+
+from dcpjax.attention import DCPKVCache, append_kv, dcp_decode_attention, empty_kv_cache, shard_kv_cache
+from dcpjax.config import ParallelConfig
+from dcpjax.devices import use_cpu_devices
+from dcpjax.kernels import decode_attention
+from dcpjax.sharding.mesh import make_mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DCPKVCache",
+    "ParallelConfig",
+    "append_kv",
+    "dcp_decode_attention",
+    "decode_attention",
+    "empty_kv_cache",
+    "make_mesh",
+    "shard_kv_cache",
+    "use_cpu_devices",
+]

@@ -1,0 +1,90 @@
+"""The ("tp", "dcp") device mesh and the one table from logical axes to mesh axes.
+
+DCP is the minor factor of a TP rank (`tp_rank = g * DCP + d`), so the DCP
+ranks of one KV-head group are contiguous TP ranks, as in vLLM. Every
+PartitionSpec in dcpjax is built from `LOGICAL_AXIS_RULES`: a new layout is a
+change of one line here, not a hunt through every layer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from dcpjax.config import ParallelConfig
+
+TP_AXIS = "tp"
+DCP_AXIS = "dcp"
+MESH_AXES = (TP_AXIS, DCP_AXIS)
+
+# Logical axis -> mesh axes. Why each line:
+#   q_heads: every TP device owns q_heads / TP heads, exactly as without DCP, so
+#     Q projections and the O projection share work over all TP devices.
+#   kv_heads: DCP re-uses TP ranks, so only the TP // DCP groups split KV heads.
+#   kv_tokens: the interleaved token positions of the KV cache, over DCP ranks.
+#   ffw / experts / vocab: linear layers split over all TP devices together.
+LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
+    "batch": None,
+    "q_heads": (TP_AXIS, DCP_AXIS),
+    "kv_heads": (TP_AXIS,),
+    "kv_tokens": (DCP_AXIS,),
+    "kv_pages": (DCP_AXIS,),
+    "ffw": (TP_AXIS, DCP_AXIS),
+    "experts": (TP_AXIS, DCP_AXIS),
+    "vocab": (TP_AXIS, DCP_AXIS),
+}
+
+
+def logical_spec(*logical_axes: str | None) -> PartitionSpec:
+    """PartitionSpec for an array whose dimensions carry these logical names.
+
+    `None` (or a name mapped to None) leaves a dimension replicated, e.g.
+    `logical_spec("batch", "q_heads", None)` -> `P(None, ("tp", "dcp"), None)`.
+    """
+    axes = []
+    for name in logical_axes:
+        if name is None:
+            axes.append(None)
+            continue
+        if name not in LOGICAL_AXIS_RULES:
+            raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_AXIS_RULES)}")
+        axes.append(LOGICAL_AXIS_RULES[name])
+    return PartitionSpec(*axes)
+
+
+def make_mesh(pc: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A ("tp", "dcp") mesh of shape (TP // DCP, DCP) with `AxisType.Auto` axes.
+
+    Args:
+      pc: the parallel configuration.
+      devices: the first `pc.tensor_parallel_size` of these are used, in order, as
+        TP ranks 0..TP-1 (default: `jax.devices()`).
+
+    Raises:
+      ValueError: fewer devices than `tensor_parallel_size`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if len(devices) < pc.tp:
+        raise ValueError(
+            f"tensor_parallel_size={pc.tp} needs {pc.tp} devices but only {len(devices)} "
+            f"{devices[0].platform if devices else ''} device(s) are visible. On CPU, fake devices "
+            f"with XLA_FLAGS=--xla_force_host_platform_device_count={pc.tp} (or "
+            f"jax.config.update('jax_num_cpu_devices', {pc.tp})) set before JAX starts, or "
+            f"dcpjax.use_cpu_devices({pc.tp}) first thing in the program."
+        )
+    grid = np.array(devices[: pc.tp], dtype=object).reshape(pc.kv_head_groups, pc.dcp)
+    axis_types = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return Mesh(grid, MESH_AXES, axis_types=axis_types)
+
+
+def check_mesh(mesh: Mesh, pc: ParallelConfig) -> None:
+    """Raise `ValueError` unless `mesh` is the ("tp", "dcp") mesh of `pc`."""
+    expected = {TP_AXIS: pc.kv_head_groups, DCP_AXIS: pc.dcp}
+    if tuple(mesh.axis_names) != MESH_AXES or dict(mesh.shape) != expected:
+        raise ValueError(
+            f"mesh {dict(mesh.shape)} with axes {mesh.axis_names} does not match {pc}: expected axes "
+            f"{MESH_AXES} of shape {expected}. Build it with dcpjax.make_mesh(pc)."
+        )

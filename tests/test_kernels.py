@@ -1,0 +1,164 @@
+"""Decode kernels (reference and Pallas) against the float64 numpy oracle."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcpjax.kernels import decode_attention, decode_attention_pallas, decode_attention_reference, resolve_backend
+from dcpjax.testing import assert_close_to_oracle, attention_f64
+
+# name: (q_heads, kv_heads, dk, dv, latent) -- latent: MLA, V = K[..., :dv]
+LAYOUTS = {
+    "mha": (4, 4, 16, 16, False),
+    "gqa": (12, 2, 16, 8, False),  # group of 6: not a power of two
+    "mqa": (6, 1, 16, 16, False),
+    "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
+}
+IMPLS = {"reference": decode_attention_reference, "pallas": decode_attention_pallas}
+
+
+def make_inputs(layout, batch=3, seq=40, lengths=(40, 0, 17), seed=0, dtype=np.float32):
+    q_heads, kv_heads, dk, dv, latent = LAYOUTS[layout]
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, q_heads, dk)).astype(dtype)
+    k = rng.standard_normal((batch, seq, kv_heads, dk)).astype(dtype)
+    v = None if latent else rng.standard_normal((batch, seq, kv_heads, dv)).astype(dtype)
+    return q, k, v, np.array(lengths, np.int32), dv
+
+
+def to_pages(x, block_size, seed=1):
+    """[B, S, H, d] -> pages in a shuffled pool plus the block table."""
+    batch, seq = x.shape[:2]
+    per_seq = seq // block_size
+    table = np.random.default_rng(seed).permutation(batch * per_seq + 2)[: batch * per_seq].reshape(batch, per_seq)
+    pool = np.zeros((batch * per_seq + 2, block_size, *x.shape[2:]), x.dtype)
+    for b in range(batch):
+        for j in range(per_seq):
+            pool[table[b, j]] = x[b, j * block_size : (j + 1) * block_size]
+    return pool, table.astype(np.int32)
+
+
+def run(impl, q, k, v, lengths, dv, paged=False, **kw):
+    tables = None
+    if paged:
+        k, tables = to_pages(k, 8)
+        v = None if v is None else to_pages(v, 8)[0]
+        tables = jnp.asarray(tables)
+    return IMPLS[impl](
+        jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v), jnp.asarray(lengths),
+        block_tables=tables, v_head_dim=dv if v is None else None, **kw,
+    )
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_float32_matches_oracle(impl, paged, layout):
+    q, k, v, lengths, dv = make_inputs(layout)
+    out, lse = run(impl, q, k, v, lengths, dv, paged=paged, sm_scale=0.3)
+    assert out.shape == (3, q.shape[1], dv) and lse.dtype == jnp.float32
+    want = attention_f64(q, k, k[..., :dv] if v is None else v, lengths, sm_scale=0.3)
+    assert_close_to_oracle(out, lse, *want, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_bfloat16_within_2e_2(impl, layout):
+    q, k, v, lengths, dv = make_inputs(layout, dtype=np.float32)
+    bf = lambda x: None if x is None else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    q, k, v = bf(q), bf(k), bf(v)  # oracle sees exactly the bf16 inputs
+    out, lse = IMPLS[impl](
+        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), None if v is None else jnp.asarray(v, jnp.bfloat16),
+        jnp.asarray(lengths), v_head_dim=dv if v is None else None,
+    )
+    assert out.dtype == jnp.bfloat16
+    want = attention_f64(q, k, k[..., :dv] if v is None else v, lengths)
+    assert_close_to_oracle(np.asarray(out, np.float32), lse, *want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("splits", [2, 3, 5])
+def test_pallas_kv_splits_merge_exactly(splits):
+    q, k, v, lengths, dv = make_inputs("gqa", seq=64, lengths=(64, 9, 0))
+    out, lse = run("pallas", q, k, v, lengths, dv, paged=True, num_kv_splits=splits)
+    assert_close_to_oracle(out, lse, *attention_f64(q, k, v, lengths), atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
+def test_empty_sequences_give_zero_and_minus_inf(impl):
+    q, k, v, lengths, dv = make_inputs("gqa", lengths=(0, 0, 0))
+    out, lse = run(impl, q, k, v, lengths, dv)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isneginf(np.asarray(lse)))
+
+
+def test_contiguous_length_not_a_power_of_two():
+    # seq 45 pages as 45 single-token pages in the Pallas path
+    q, k, v, lengths, dv = make_inputs("mqa", seq=45, lengths=(45, 44, 1))
+    out, lse = run("pallas", q, k, v, lengths, dv)
+    assert_close_to_oracle(out, lse, *attention_f64(q, k, v, lengths), atol=2e-5)
+
+
+def test_dispatcher():
+    q, k, v, lengths, dv = make_inputs("gqa")
+    assert resolve_backend("auto", k, None) == "reference"  # CPU
+    ref = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
+    pal = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), attention_backend="pallas")
+    np.testing.assert_allclose(np.asarray(ref[0]), np.asarray(pal[0]), atol=2e-5)
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), attention_backend="flash")
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(q=np.zeros((3, 12))), "q must be"),
+        (dict(lengths=np.zeros((2,), np.int32)), "lengths must be"),
+        (dict(v=np.zeros((3, 40, 2, 8, 1))), "must match k"),
+        (dict(q=np.zeros((3, 11, 16), np.float32)), "multiple of kv_heads"),
+    ],
+)
+def test_bad_arguments_are_named(bad, match):
+    q, k, v, lengths, dv = make_inputs("gqa")
+    args = dict(q=q, k=k, v=v, lengths=lengths) | bad
+    if args["v"].ndim == 5:
+        args["v"] = np.zeros((3, 39, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=match):
+        decode_attention_reference(*(jnp.asarray(args[n]) for n in ("q", "k", "v", "lengths")))
+
+
+def test_mla_needs_v_head_dim():
+    q, k, _, lengths, _ = make_inputs("mla")
+    with pytest.raises(ValueError, match="v_head_dim"):
+        decode_attention_reference(jnp.asarray(q), jnp.asarray(k), None, jnp.asarray(lengths))
+
+
+@pytest.mark.skipif(
+    not jax.__version__.startswith("0.10."),
+    reason="jax >= 0.11 lowers Triton only with a GPU (or an abstract GPU device) present",
+)
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_pallas_lowers_for_gpu_with_triton(layout):
+    """The compiled (non-interpret) kernel lowers to a Triton GPU kernel at real sizes."""
+    S = jax.ShapeDtypeStruct
+    if layout == "gqa":  # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads)
+        args = (S((4, 64, 128), jnp.bfloat16), S((256, 16, 4, 128), jnp.bfloat16), S((256, 16, 4, 128), jnp.bfloat16))
+        kw = {}
+    else:  # DeepSeek-V3-like latent 512 + rope 64
+        args = (S((4, 16, 576), jnp.bfloat16), S((256, 16, 1, 576), jnp.bfloat16), None)
+        kw = dict(v_head_dim=512, sm_scale=0.1)
+    fn = jax.jit(lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, **kw))
+    exported = jax.export.export(
+        fn, platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(*args, S((4,), jnp.int32), S((4, 64), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+def test_oracle_against_a_hand_computed_case():
+    """The oracle itself: two tokens, one head, scores 0 and log 3 -> weights 1/4, 3/4."""
+    q = np.array([[[1.0, 0.0]]])
+    k = np.array([[[[0.0, 0.0]], [[np.log(3.0), 0.0]], [[9.0, 9.0]]]])
+    v = np.array([[[[4.0]], [[8.0]], [[100.0]]]])
+    out, lse = attention_f64(q, k, v, np.array([2]), sm_scale=1.0)
+    np.testing.assert_allclose(out, [[[4.0 * 0.25 + 8.0 * 0.75]]])
+    np.testing.assert_allclose(lse, [[np.log(4.0)]])
