@@ -67,7 +67,11 @@ def _decode_kernel(
     rows = q_parts[0].shape[0]
 
     def dot(a, b, contract_b: int):
-        return jax.lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), preferred_element_type=jnp.float32)
+        # float32 inputs: full precision, not TF32 (Triton's default on GPU).
+        precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        return jax.lax.dot_general(
+            a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+        )
 
     def visit_page(i, carry):
         row_max, row_sum, accs = carry
