@@ -15,7 +15,11 @@ LAYOUTS = {
     "mqa": (6, 1, 16, 16, False),
     "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
 }
-IMPLS = {"reference": decode_attention_reference, "pallas": decode_attention_pallas}
+IMPLS = {
+    "reference": decode_attention_reference,
+    "pallas": decode_attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
+    "pallas_tpu": lambda *a, **kw: decode_attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
+}
 
 
 def make_inputs(layout, batch=3, seq=40, lengths=(40, 0, 17), seed=0, dtype=np.float32):
@@ -51,7 +55,7 @@ def run(impl, q, k, v, lengths, dv, paged=False, **kw):
     )
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_float32_matches_oracle(impl, paged, layout):
@@ -62,7 +66,7 @@ def test_float32_matches_oracle(impl, paged, layout):
     assert_close_to_oracle(out, lse, *want, atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
 def test_bfloat16_within_2e_2(impl, layout):
     q, k, v, lengths, dv = make_inputs(layout, dtype=np.float32)
@@ -84,7 +88,7 @@ def test_pallas_kv_splits_merge_exactly(splits):
     assert_close_to_oracle(out, lse, *attention_f64(q, k, v, lengths), atol=2e-5)
 
 
-@pytest.mark.parametrize("impl", ["reference", "pallas"])
+@pytest.mark.parametrize("impl", list(IMPLS))
 def test_empty_sequences_give_zero_and_minus_inf(impl):
     q, k, v, lengths, dv = make_inputs("gqa", lengths=(0, 0, 0))
     out, lse = run(impl, q, k, v, lengths, dv)
@@ -132,26 +136,60 @@ def test_mla_needs_v_head_dim():
         decode_attention_reference(jnp.asarray(q), jnp.asarray(k), None, jnp.asarray(lengths))
 
 
-@pytest.mark.skipif(
-    not jax.__version__.startswith("0.10."),
-    reason="jax >= 0.11 lowers Triton only with a GPU (or an abstract GPU device) present",
-)
-@pytest.mark.parametrize("layout", ["gqa", "mla"])
-def test_pallas_lowers_for_gpu_with_triton(layout):
+def export_for(platform, device_kind, fn, *args):
+    """Lower `fn` for another platform from this CPU host (an abstract device stands in)."""
+    device = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform)
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+    # Triton custom calls carry no serialization guarantee; we only inspect the module.
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
+
+
+GPU_CASES = {
+    # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads)
+    "gqa-bf16": (((4, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
+    "gqa-f32": (((4, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.float32, {}),
+    # DeepSeek-V3-like latent 512 + rope 64
+    "mla-bf16": (((4, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+}
+
+
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_pallas_lowers_for_gpu_with_triton(case):
     """The compiled (non-interpret) kernel lowers to a Triton GPU kernel at real sizes."""
+    shapes, dtype, kw = GPU_CASES[case]
     S = jax.ShapeDtypeStruct
-    if layout == "gqa":  # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads)
-        args = (S((4, 64, 128), jnp.bfloat16), S((256, 16, 4, 128), jnp.bfloat16), S((256, 16, 4, 128), jnp.bfloat16))
-        kw = {}
-    else:  # DeepSeek-V3-like latent 512 + rope 64
-        args = (S((4, 16, 576), jnp.bfloat16), S((256, 16, 1, 576), jnp.bfloat16), None)
-        kw = dict(v_head_dim=512, sm_scale=0.1)
-    fn = jax.jit(lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, **kw))
-    exported = jax.export.export(
-        fn, platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(*args, S((4,), jnp.int32), S((4, 64), jnp.int32))
+    q, k, v = (None if s is None else S(s, dtype) for s in shapes)
+    fn = lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, **kw)
+    exported = export_for("cuda", "NVIDIA H200", fn, q, k, v, S((4,), jnp.int32), S((4, 64), jnp.int32))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+
+
+TPU_CASES = {
+    "gqa-8-heads-bf16": (((4, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
+    "dcp-rank-1-head-f32": (((4, 16, 128), (256, 16, 1, 128), (256, 16, 1, 128)), jnp.float32, {}),
+    "mla-bf16": (((4, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+}
+
+
+@pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("case", list(TPU_CASES))
+def test_pallas_lowers_for_tpu_with_mosaic(case, device_kind):
+    shapes, dtype, kw = TPU_CASES[case]
+    S = jax.ShapeDtypeStruct
+    q, k, v = (None if s is None else S(s, dtype) for s in shapes)
+    fn = lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, target="tpu", **kw)
+    exported = export_for("tpu", device_kind, fn, q, k, v, S((4,), jnp.int32), S((4, 64), jnp.int32))
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_tpu_tiling_rules_are_explained():
+    q, k, v, lengths, dv = make_inputs("gqa")  # 2 KV heads of width 16: not lane-aligned
+    with pytest.raises(ValueError, match="head dims must be multiples of 128"):
+        decode_attention_pallas(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
+                                target="tpu", interpret=False)
+    assert resolve_backend("auto", k, None) == "reference"
 
 
 def test_oracle_against_a_hand_computed_case():

@@ -2,8 +2,9 @@
 
 `attention_backend`:
   "reference": pure jnp (XLA fuses it well on CPU and TPU).
-  "pallas":    the Pallas kernel (compiled on GPU; `interpret=True` on CPU).
-  "auto":      Pallas on GPU when its tile rules hold, otherwise the reference.
+  "pallas":    the Pallas kernel for this platform (GPU: Triton, TPU: Mosaic;
+               `interpret=True` on CPU).
+  "auto":      Pallas on GPU and TPU when the shapes fit its tiles, otherwise the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 
 from dcpjax.kernels.common import check_decode_args
 from dcpjax.kernels.pallas_decode import contiguous_page_size, decode_attention_pallas
+from dcpjax.kernels.pallas_tpu import tpu_tiling_problem
 from dcpjax.kernels.reference import decode_attention_reference
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
@@ -22,19 +24,23 @@ def check_attention_backend(attention_backend: str) -> None:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
 
 
-def _pallas_fits_gpu(k, block_tables) -> bool:
+def _pallas_fits(platform: str, k, v, block_tables, v_head_dim) -> bool:
     page = k.shape[1] if block_tables is not None else contiguous_page_size(k.shape[1])
-    return page >= 16 and page & (page - 1) == 0
+    if platform == "gpu":
+        return page >= 16 and page & (page - 1) == 0
+    if platform == "tpu":
+        dv = v_head_dim if v is None else v.shape[-1]
+        return tpu_tiling_problem(k.shape[2], k.shape[3], dv, page, v is None) is None
+    return False  # CPU: the interpreter is for tests, XLA's fused reference is faster
 
 
-def resolve_backend(attention_backend: str, k, block_tables) -> str:
+def resolve_backend(attention_backend: str, k, block_tables, v=None, v_head_dim=None) -> str:
     """The implementation "auto" stands for on this platform and these shapes."""
     check_attention_backend(attention_backend)
     if attention_backend != "auto":
         return attention_backend
-    if jax.default_backend() == "gpu" and _pallas_fits_gpu(k, block_tables):
-        return "pallas"
-    return "reference"
+    fits = _pallas_fits(jax.default_backend(), k, v, block_tables, v_head_dim)
+    return "pallas" if fits else "reference"
 
 
 def decode_attention(
@@ -53,6 +59,6 @@ def decode_attention(
     Shapes in `dcpjax.kernels.common`; `v=None` with `v_head_dim` is MLA's latent form.
     """
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim)
     impl = decode_attention_pallas if backend == "pallas" else decode_attention_reference
     return impl(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim)
