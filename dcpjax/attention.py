@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
@@ -98,27 +99,33 @@ def _expand_heads(x: jax.Array, num_kv_heads: int, pc: ParallelConfig, axis: int
 
 
 # -- building a cache -----------------------------------------------------------
-def _interleaved_local(x: jax.Array, capacity: int, pc: ParallelConfig) -> jax.Array:
+# Built in host numpy, then each device receives only its own shard: no device
+# ever holds the whole unsplit cache.
+def _interleaved_local(x: np.ndarray, capacity: int, pc: ParallelConfig) -> np.ndarray:
     """[B, S, H, d] token order -> [B, DCP, local_capacity, H, d], zeros past S."""
     batch, seq = x.shape[:2]
     local_cap = layout.local_capacity(capacity, pc.dcp, pc.interleave)
-    positions = layout.global_position(
-        jnp.arange(local_cap)[None, :], jnp.arange(pc.dcp)[:, None], pc.dcp, pc.interleave
-    )  # [DCP, local_cap]
-    padded = jnp.pad(x, ((0, 0), (0, int(positions.max()) + 1 - seq)) + ((0, 0),) * (x.ndim - 2))
-    local = jnp.take(padded, positions.reshape(-1), axis=1)
-    return local.reshape(batch, pc.dcp, local_cap, *x.shape[2:])
+    positions = np.asarray(layout.global_position(
+        np.arange(local_cap)[None, :], np.arange(pc.dcp)[:, None], pc.dcp, pc.interleave
+    ))  # [DCP, local_cap]
+    padded = np.zeros((batch, int(positions.max()) + 1, *x.shape[2:]), x.dtype)
+    padded[:, :seq] = x
+    return padded[:, positions.reshape(-1)].reshape(batch, pc.dcp, local_cap, *x.shape[2:])
 
 
-def _to_pages(local: jax.Array, block_tables: jax.Array, num_blocks: int, block_size: int) -> jax.Array:
+def _to_pages(local: np.ndarray, block_tables: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
     """[B, DCP, local_cap, H, d] -> per-rank pools [DCP * num_blocks, block_size, H, d]."""
     batch, dcp, local_cap = local.shape[:3]
     blocks_per_seq = local_cap // block_size
-    pools = jnp.zeros((dcp, num_blocks, block_size, *local.shape[3:]), local.dtype)
+    pools = np.zeros((dcp, num_blocks, block_size, *local.shape[3:]), local.dtype)
     chunks = local.reshape(batch, dcp, blocks_per_seq, block_size, *local.shape[3:])
-    chunks = jnp.moveaxis(chunks, 1, 0)  # [DCP, B, blocks, bs, H, d]
-    pools = pools.at[:, block_tables[:, :blocks_per_seq]].set(chunks)
+    pools[:, block_tables[:, :blocks_per_seq]] = np.moveaxis(chunks, 1, 0)  # [DCP, B, blocks, bs, H, d]
     return pools.reshape(dcp * num_blocks, block_size, *local.shape[3:])
+
+
+def _expand_heads_np(x: np.ndarray, num_kv_heads: int, pc: ParallelConfig, axis: int) -> np.ndarray:
+    repeats = _kv_slots(num_kv_heads, pc) // num_kv_heads
+    return x if repeats == 1 else np.repeat(x, repeats, axis=axis)
 
 
 def shard_kv_cache(
@@ -164,8 +171,8 @@ def shard_kv_cache(
         blocks_per_seq = layout.blocks_needed(capacity, block_size, pc.dcp)
         capacity = blocks_per_seq * layout.virtual_block_size(block_size, pc.dcp)
         if block_tables is None:
-            block_tables = jnp.arange(batch * blocks_per_seq, dtype=jnp.int32).reshape(batch, blocks_per_seq)
-        block_tables = jnp.asarray(block_tables, jnp.int32)
+            block_tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
+        block_tables = np.asarray(block_tables, np.int32)
         if block_tables.shape[0] != batch or block_tables.shape[1] < blocks_per_seq:
             raise ValueError(f"block_tables must be [batch={batch}, >= {blocks_per_seq}], got {block_tables.shape}")
         needed = block_tables[:, :blocks_per_seq]
@@ -176,18 +183,18 @@ def shard_kv_cache(
     sharding = NamedSharding(mesh, _kv_spec(block_size is not None))
 
     def place(x):
-        x = _expand_heads(jnp.asarray(x), num_kv_heads, pc, axis=2)
+        x = _expand_heads_np(np.asarray(x), num_kv_heads, pc, axis=2)
         local = _interleaved_local(x, capacity, pc)
         if block_size is None:
             arranged = local.reshape(batch, pc.dcp * local.shape[2], *local.shape[3:])
         else:
             arranged = _to_pages(local, block_tables, num_blocks, block_size)
-        return jax.device_put(arranged, sharding)
+        return jax.make_array_from_callback(arranged.shape, sharding, lambda index: arranged[index])
 
     return DCPKVCache(
         k=place(k),
         v=None if v is None else place(v),
-        block_tables=None if block_size is None else jax.device_put(block_tables, NamedSharding(mesh, _REPLICATED)),
+        block_tables=None if block_size is None else jax.device_put(jnp.asarray(block_tables), NamedSharding(mesh, _REPLICATED)),
         num_kv_heads=num_kv_heads,
         v_head_dim=v_head_dim,
         capacity=capacity,
