@@ -91,5 +91,12 @@ def finish_softmax(acc, row_max, row_sum, out_dtype):
     return out.astype(out_dtype), lse.astype(jnp.float32)
 
 
-def platform() -> str:
-    return jax.default_backend()
+def dot_f32(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:
+    """a [m, k] . b (contracting b's axis `contract_b`) with a float32 result, for kernels.
+
+    float32 inputs use full precision: Triton would otherwise use TF32 (10-bit mantissa).
+    """
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jax.lax.dot_general(
+        a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
+    )

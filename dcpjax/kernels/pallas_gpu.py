@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from dcpjax.kernels.common import dot_f32
 from dcpjax.sharding.merge import merge_partials
 
 
@@ -51,19 +52,12 @@ def _gpu_kernel(
     q_parts = [q_ref[:, pl.ds(start, width)] for start, width in k_chunks]
     rows = q_parts[0].shape[0]
 
-    def dot(a, b, contract_b: int):
-        # float32 inputs: full precision, not TF32 (Triton's default).
-        precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-        return jax.lax.dot_general(
-            a, b, (((1,), (contract_b,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        )
-
     def visit_page(i, carry):
         row_max, row_sum, accs = carry
         page_index = first_page + i
         page = tables_ref[seq, page_index]
         k_parts = [k_ref[page, :, head, pl.ds(start, width)] for start, width in k_chunks]  # [bs, w]
-        scores = sum(dot(qp, kp, 1) for qp, kp in zip(q_parts, k_parts)) * sm_scale  # [rows, bs]
+        scores = sum(dot_f32(qp, kp, 1) for qp, kp in zip(q_parts, k_parts)) * sm_scale  # [rows, bs]
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where(positions < length, scores, -jnp.inf)
         # Only pages holding >= 1 valid token are visited, so new_max is finite.
@@ -76,7 +70,7 @@ def _gpu_kernel(
         else:
             v_parts = [v_ref[page, :, head, pl.ds(start, width)] for start, width in v_chunks]
         accs = tuple(
-            acc * rescale[:, None] + dot(probs.astype(vp.dtype), vp, 0) for acc, vp in zip(accs, v_parts)
+            acc * rescale[:, None] + dot_f32(probs.astype(vp.dtype), vp, 0) for acc, vp in zip(accs, v_parts)
         )
         return new_max, row_sum, accs
 

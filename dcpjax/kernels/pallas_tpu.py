@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from dcpjax.kernels.common import dot_f32
+
 LANES = 128
 SUBLANES = 8
 
@@ -54,10 +56,7 @@ def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_si
     @pl.when(page * block_size < length)
     def _visit():
         q, k = q_ref[...], k_ref[...]
-        precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-        scores = jax.lax.dot_general(
-            q, k, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=jnp.float32
-        ) * sm_scale  # [rows, bs]
+        scores = dot_f32(q, k, 1) * sm_scale  # [rows, bs]
         positions = page * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where(positions < length, scores, -jnp.inf)
         old_max = max_scr[...]
@@ -66,10 +65,7 @@ def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_si
         probs = jnp.exp(scores - new_max[:, :1])
         sum_scr[...] = sum_scr[...] * rescale + jnp.sum(probs, axis=1, keepdims=True)
         values = k[:, :dv] if v_from_k else v_ref[...]
-        acc_scr[...] = acc_scr[...] * rescale[:, :1] + jax.lax.dot_general(
-            probs.astype(values.dtype), values, (((1,), (0,)), ((), ())),
-            precision=precision, preferred_element_type=jnp.float32,
-        )
+        acc_scr[...] = acc_scr[...] * rescale[:, :1] + dot_f32(probs.astype(values.dtype), values, 0)
         max_scr[...] = new_max
 
     @pl.when(page == pl.num_programs(2) - 1)
