@@ -103,22 +103,27 @@ def _shape_bytes(text):
 
 
 def hlo_collective_bytes(hlo_text, dcp):
-    """(kind, bytes each device receives per step by ring algorithms), from the compiled HLO."""
-    shapes = {}  # instruction name -> bytes of its result
+    """(kind, bytes each device receives per step by ring algorithms), from the compiled HLO.
+
+    Results may be tuples (the CPU backend splits an all-to-all into one operand per peer).
+    """
+    shapes = {}  # instruction name -> bytes of its (non-tuple) result
     for m in re.finditer(r"%(\S+) = (\w+\[[\d,]*\])", hlo_text):
         shapes[m.group(1)] = _shape_bytes(m.group(2))
+    kinds = "all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute"
     found = []
-    pattern = r"%\S+ = (\w+\[[\d,]*\])\S* (all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute)(?:-start)?\(%([^,)\s]+)"
-    for m in re.finditer(pattern, hlo_text):
-        result, kind, operand = _shape_bytes(m.group(1)), m.group(2), shapes[m.group(3)]
+    for m in re.finditer(rf"%\S+ = (\(.*?\)|\S+) ({kinds})(?:-start)?\(([^)]*)\)", hlo_text):
+        result = sum(_shape_bytes(t.group(0)) for t in _SHAPE.finditer(m.group(1)))
+        operands = sum(shapes[name] for name in re.findall(r"%([^,\s]+)", m.group(3)))
+        kind = m.group(2)
         if kind == "all-gather":
             moved = result * (dcp - 1) / dcp
         elif kind in ("reduce-scatter", "all-to-all"):
-            moved = operand * (dcp - 1) / dcp
+            moved = operands * (dcp - 1) / dcp
         elif kind == "all-reduce":
-            moved = operand * 2 * (dcp - 1) / dcp
+            moved = operands * 2 * (dcp - 1) / dcp
         else:
-            moved = operand
+            moved = operands
         found.append((kind, moved))
     return found
 

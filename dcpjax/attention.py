@@ -92,10 +92,11 @@ def _kv_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
     return max(num_kv_heads, groups)
 
 
-def _expand_heads(x: jax.Array, num_kv_heads: int, pc: ParallelConfig, axis: int) -> jax.Array:
-    """Repeat KV heads so that each "tp" group gets the head its q heads read."""
+def _expand_heads(x, num_kv_heads: int, pc: ParallelConfig, axis: int):
+    """Repeat KV heads (numpy or jax array) so each "tp" group gets the head its q heads read."""
     repeats = _kv_slots(num_kv_heads, pc) // num_kv_heads
-    return x if repeats == 1 else jnp.repeat(x, repeats, axis=axis)
+    xp = np if isinstance(x, np.ndarray) else jnp
+    return x if repeats == 1 else xp.repeat(x, repeats, axis=axis)
 
 
 # -- building a cache -----------------------------------------------------------
@@ -121,11 +122,6 @@ def _to_pages(local: np.ndarray, block_tables: np.ndarray, num_blocks: int, bloc
     chunks = local.reshape(batch, dcp, blocks_per_seq, block_size, *local.shape[3:])
     pools[:, block_tables[:, :blocks_per_seq]] = np.moveaxis(chunks, 1, 0)  # [DCP, B, blocks, bs, H, d]
     return pools.reshape(dcp * num_blocks, block_size, *local.shape[3:])
-
-
-def _expand_heads_np(x: np.ndarray, num_kv_heads: int, pc: ParallelConfig, axis: int) -> np.ndarray:
-    repeats = _kv_slots(num_kv_heads, pc) // num_kv_heads
-    return x if repeats == 1 else np.repeat(x, repeats, axis=axis)
 
 
 def shard_kv_cache(
@@ -183,7 +179,7 @@ def shard_kv_cache(
     sharding = NamedSharding(mesh, _kv_spec(block_size is not None))
 
     def place(x):
-        x = _expand_heads_np(np.asarray(x), num_kv_heads, pc, axis=2)
+        x = _expand_heads(np.asarray(x), num_kv_heads, pc, axis=2)
         local = _interleaved_local(x, capacity, pc)
         if block_size is None:
             arranged = local.reshape(batch, pc.dcp * local.shape[2], *local.shape[3:])

@@ -4,6 +4,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -13,11 +15,20 @@ def _run(*args):
     return result.stdout
 
 
-def test_attention_benchmark_smoke():
-    out = _run("benchmarks/attention.py", "--contexts", "256", "--total-tokens", "512", "--repeats", "1")
+@pytest.mark.parametrize("comm, collective", [("ag_rs", "reduce-scatter"), ("a2a", "all-to-all")])
+def test_attention_benchmark_smoke(comm, collective):
+    out = _run("benchmarks/attention.py", "--contexts", "256", "--total-tokens", "512", "--repeats", "1",
+               "--dcp-comm-backend", comm)
     assert "max KV tokens / device" in out and "HLO collective bytes" in out and "kernel / memcpy" in out
     # the capacity table reads the library: DCP 8 holds 8x the MLA tokens of DCP 1
     assert "| DeepSeek-V3-like MLA (128 h, 512 + 64) | 8 |" in out and "| 8.00x |" in out
+    # the compiled program moves exactly what the algorithm needs: no hidden KV traffic
+    step_rows = [line for line in out.splitlines() if " x 2 | " in line]
+    assert len(step_rows) == 6
+    for row in step_rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-1] == cells[-2], row
+        assert (collective in cells[-3]) == (cells[2] != "1"), row
 
 
 def test_gpu_check_dry_run_on_cpu():
