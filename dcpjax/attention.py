@@ -19,10 +19,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels.dispatch import check_attention_backend, decode_attention
+from dcpjax.kernels.dispatch import check_attention_backend
 from dcpjax.sharding import layout
-from dcpjax.sharding.merge import merge_over_dcp
-from dcpjax.sharding.mesh import DCP_AXIS, check_mesh, logical_spec
+from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
+from dcpjax.sharding.mesh import check_mesh, logical_spec
 
 
 @functools.partial(
@@ -222,28 +222,10 @@ def empty_kv_cache(
 # -- appending one token ----------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _append_fn(mesh: Mesh, pc: ParallelConfig, paged: bool, block_size: int | None, has_v: bool):
-    def write(pool, new, slots):
-        # pool: contiguous [B, S_loc, H, d] (slots = local index per sequence) or
-        # paged [N, bs, H, d] (slots = flat slot). Unowned tokens hold an
-        # out-of-range slot and are dropped.
-        if paged:
-            flat = pool.reshape(-1, *pool.shape[2:])
-            return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
-        return pool.at[jnp.arange(pool.shape[0]), slots].set(new.astype(pool.dtype), mode="drop")
-
     def body(k, v, tables, k_new, v_new, positions):
-        rank = jax.lax.axis_index(DCP_AXIS)
-        if paged:
-            slots = layout.paged_slot_mapping(positions, tables, rank, block_size, pc.dcp, pc.interleave)
-            out_of_range = k.shape[0] * k.shape[1]
-        else:
-            owned = layout.owner_rank(positions, pc.dcp, pc.interleave) == rank
-            slots = layout.local_index(positions, pc.dcp, pc.interleave)
-            out_of_range = k.shape[1]
-            slots = jnp.where(owned, slots, layout.PAD_SLOT)
-        slots = jnp.where(slots < 0, out_of_range, slots)  # negative indices would wrap
-        k = write(k, k_new, slots)
-        v = write(v, v_new, slots) if has_v else v
+        slots = owned_slots(positions, pc, block_tables=tables, block_size=block_size)
+        k = write_tokens(k, k_new, slots, paged)
+        v = write_tokens(v, v_new, slots, paged) if has_v else v
         return k, v
 
     kv_spec = _kv_spec(paged)
@@ -299,16 +281,11 @@ def _decode_fn(
     sm_scale: float | None, attention_backend: str,
 ):
     def body(q, k, v, tables, lengths):
-        if pc.dcp > 1:  # the q heads of this device's whole KV-head group
-            q = jax.lax.all_gather(q, DCP_AXIS, axis=1, tiled=True)
-        rank = jax.lax.axis_index(DCP_AXIS)
-        local_lengths = layout.local_length(lengths, rank, pc.dcp, pc.interleave)
-        out, lse = decode_attention(
-            q, k, v, local_lengths, block_tables=tables, sm_scale=sm_scale,
+        out, lse = dcp_attention(
+            q[:, None], k, v, lengths[:, None], pc, block_tables=tables, sm_scale=sm_scale,
             v_head_dim=v_head_dim, attention_backend=attention_backend,
         )
-        out, lse = merge_over_dcp(out, lse, pc)
-        return out.astype(q.dtype), lse
+        return out[:, 0].astype(q.dtype), lse[:, 0]
 
     kv_spec = _kv_spec(paged)
     fn = jax.shard_map(

@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcpjax.kernels import decode_attention, decode_attention_pallas, decode_attention_reference, resolve_backend
+from dcpjax.kernels import (
+    chunk_attention_pallas,
+    chunk_attention_reference,
+    decode_attention,
+    decode_attention_pallas,
+    decode_attention_reference,
+    resolve_backend,
+)
 from dcpjax.testing import assert_close_to_oracle, attention_f64
 
 # name: (q_heads, kv_heads, dk, dv, latent) -- latent: MLA, V = K[..., :dv]
@@ -200,3 +207,35 @@ def test_oracle_against_a_hand_computed_case():
     out, lse = attention_f64(q, k, v, np.array([2]), sm_scale=1.0)
     np.testing.assert_allclose(out, [[[4.0 * 0.25 + 8.0 * 0.75]]])
     np.testing.assert_allclose(lse, [[np.log(4.0)]])
+
+
+CHUNK_IMPLS = {
+    "reference": chunk_attention_reference,
+    "pallas": chunk_attention_pallas,
+    "pallas_tpu": lambda *a, **kw: chunk_attention_pallas(*a, target="tpu", **kw),
+}
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("impl", list(CHUNK_IMPLS))
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_chunk_form_gives_each_query_its_own_causal_bound(layout, impl, paged):
+    """A prefill chunk: query t of sequence b sees tokens < lengths[b, t] (0 for padding)."""
+    q, k, v, _, dv = make_inputs(layout, seq=40)
+    chunk = np.random.default_rng(3).standard_normal((3, 5, *q.shape[1:])).astype(np.float32)
+    lengths = np.array([[36, 37, 38, 39, 40], [1, 2, 3, 0, 0], [0, 0, 0, 0, 0]], np.int32)
+    tables = None
+    kk, vv = k, v
+    if paged:
+        kk, tables = to_pages(k, 8)
+        vv = None if v is None else to_pages(v, 8)[0]
+        tables = jnp.asarray(tables)
+    out, lse = CHUNK_IMPLS[impl](
+        jnp.asarray(chunk), jnp.asarray(kk), None if vv is None else jnp.asarray(vv), jnp.asarray(lengths),
+        block_tables=tables, v_head_dim=dv if v is None else None,
+    )
+    assert out.shape == (3, 5, q.shape[1], dv) and lse.shape == (3, 5, q.shape[1])
+    values = k[..., :dv] if v is None else v
+    want = attention_f64(chunk.reshape(15, *q.shape[1:]), np.repeat(k, 5, axis=0), np.repeat(values, 5, axis=0),
+                         lengths.reshape(-1))
+    assert_close_to_oracle(np.asarray(out).reshape(15, *out.shape[2:]), np.asarray(lse).reshape(15, -1), *want, atol=2e-5)

@@ -9,6 +9,11 @@ The contract (all implementations):
   block_tables: [batch, max_blocks] int, paged only
 Returns out [batch, q_heads, dv] in q's dtype and lse [batch, q_heads] float32,
 natural-log based; a sequence of length 0 gives out = 0 and lse = -inf.
+
+The chunk form adds a query axis (several queries per sequence: prefill chunks,
+speculative decode), each query with its own causal bound:
+  q [batch, T, q_heads, dk], lengths [batch, T] -> out [batch, T, q_heads, dv],
+  lse [batch, T, q_heads].
 """
 
 from __future__ import annotations
@@ -68,6 +73,16 @@ def check_decode_args(q, k, v, lengths, block_tables, v_head_dim) -> DecodeShape
             raise ValueError(f"contiguous k must have batch {batch} first, got {k.shape}")
         block_size, pages_per_seq = k.shape[1], 1
     return DecodeShapes(batch, q_heads, kv_heads, dk, dv, paged, block_size, pages_per_seq)
+
+
+def check_chunk_args(q, k, v, lengths, block_tables, v_head_dim) -> DecodeShapes:
+    """The contract with a query axis: q [batch, T, q_heads, dk], lengths [batch, T]."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [batch, queries, q_heads, head_dim], got shape {q.shape}")
+    if lengths.shape != q.shape[:2]:
+        raise ValueError(f"lengths must be [batch, queries] = {list(q.shape[:2])}, got {list(lengths.shape)}")
+    one_query = jax.ShapeDtypeStruct((q.shape[0], *q.shape[2:]), q.dtype)
+    return check_decode_args(one_query, k, v, jax.ShapeDtypeStruct(q.shape[:1], lengths.dtype), block_tables, v_head_dim)
 
 
 def default_sm_scale(dk: int, sm_scale: float | None) -> float:

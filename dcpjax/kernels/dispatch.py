@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import jax
 
-from dcpjax.kernels.common import check_decode_args
-from dcpjax.kernels.pallas_decode import contiguous_page_size, decode_attention_pallas
+from dcpjax.kernels.common import check_chunk_args, check_decode_args
+from dcpjax.kernels.pallas_decode import chunk_attention_pallas, contiguous_page_size, decode_attention_pallas
 from dcpjax.kernels.pallas_tpu import tpu_tiling_problem
-from dcpjax.kernels.reference import decode_attention_reference
+from dcpjax.kernels.reference import chunk_attention_reference, decode_attention_reference
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 
@@ -61,4 +61,26 @@ def decode_attention(
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
     backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim)
     impl = decode_attention_pallas if backend == "pallas" else decode_attention_reference
+    return impl(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim)
+
+
+def chunk_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array | None,
+    lengths: jax.Array,
+    *,
+    block_tables: jax.Array | None = None,
+    sm_scale: float | None = None,
+    v_head_dim: int | None = None,
+    attention_backend: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """Several queries per sequence, each with its own causal bound (prefill chunks).
+
+    q [batch, T, q_heads, dk], lengths [batch, T] -> out [batch, T, q_heads, dv],
+    lse [batch, T, q_heads] float32. KV as in `decode_attention`.
+    """
+    check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim)
+    impl = chunk_attention_pallas if backend == "pallas" else chunk_attention_reference
     return impl(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dcpjax.kernels.common import check_decode_args, default_sm_scale
+from dcpjax.kernels.common import check_chunk_args, check_decode_args, default_sm_scale
 from dcpjax.kernels.pallas_gpu import paged_decode_gpu
 from dcpjax.kernels.pallas_tpu import SUBLANES, paged_decode_tpu, tpu_tiling_problem
 
@@ -93,3 +93,36 @@ def decode_attention_pallas(
         out, lse = paged_decode_gpu(*args, sm_scale=scale, dv=dv, num_splits=num_kv_splits, interpret=interpret)
     out = out[:, :, :group].reshape(batch, shapes.q_heads, dv).astype(q.dtype)
     return out, lse[:, :, :group].reshape(batch, shapes.q_heads)
+
+
+def chunk_attention_pallas(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array | None,
+    lengths: jax.Array,
+    *,
+    block_tables: jax.Array | None = None,
+    sm_scale: float | None = None,
+    v_head_dim: int | None = None,
+    interpret: bool | None = None,
+    target: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The chunk form (q [batch, T, q_heads, dk], lengths [batch, T]) on the decode kernel.
+
+    Each of the batch * T queries becomes a sequence of its own that shares its
+    sequence's block table, so every query gets its own causal bound.
+    """
+    shapes = check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
+    batch, queries = q.shape[:2]
+    if not shapes.paged:
+        seq = k.shape[1]
+        page = contiguous_page_size(seq)
+        k = k.reshape(batch * (seq // page), page, *k.shape[2:])
+        v = None if v is None else v.reshape(batch * (seq // page), page, *v.shape[2:])
+        block_tables = jnp.arange(batch * (seq // page), dtype=jnp.int32).reshape(batch, seq // page)
+    out, lse = decode_attention_pallas(
+        q.reshape(batch * queries, *q.shape[2:]), k, v, lengths.reshape(-1),
+        block_tables=jnp.repeat(block_tables, queries, axis=0), sm_scale=sm_scale, v_head_dim=v_head_dim,
+        interpret=interpret, target=target,
+    )
+    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
