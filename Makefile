@@ -10,8 +10,12 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
 
-.PHONY: demo test bench
+.PHONY: demo attention-demo test bench
 demo: $(VENV)/.installed
+	$(VENV)/bin/python -m dcpjax.generate --num-cpu-devices 8 --tensor-parallel-size 8 \
+		--decode-context-parallel-size 2 --compare-dcp-1 --kv-cache-memory-bytes 8388608
+
+attention-demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dcpjax.demo --num-cpu-devices 8
 
 test: $(VENV)/.installed

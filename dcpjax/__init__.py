@@ -4,11 +4,19 @@ from dcpjax.attention import DCPKVCache, append_kv, dcp_decode_attention, empty_
 from dcpjax.config import ParallelConfig
 from dcpjax.devices import use_cpu_devices
 from dcpjax.kernels import decode_attention
+from dcpjax.llm import LLM
+from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
+from dcpjax.sampling import SamplingParams
 from dcpjax.sharding.mesh import make_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "CompletionOutput",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
     "DCPKVCache",
     "ParallelConfig",
     "append_kv",

@@ -36,6 +36,6 @@ def test_mesh_mismatch_is_named():
 
 def test_logical_axis_rules():
     assert logical_spec("batch", "q_heads", None) == P(None, ("tp", "dcp"), None)
-    assert logical_spec("batch", "kv_tokens", "kv_heads", None) == P(None, ("dcp",), ("tp",), None)
+    assert logical_spec("batch", "kv_tokens", "kv_heads", None) == P(None, "dcp", "tp", None)
     with pytest.raises(KeyError, match="unknown logical axis"):
         logical_spec("heads")

@@ -19,6 +19,7 @@ from dcpjax.config import ParallelConfig
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"
 MESH_AXES = (TP_AXIS, DCP_AXIS)
+MODEL_AXES = (TP_AXIS, DCP_AXIS)  # all TP devices of a replica: reductions of row-parallel layers
 
 # Logical axis -> mesh axes. Why each line:
 #   q_heads: every TP device owns q_heads / TP heads, exactly as without DCP, so
@@ -28,6 +29,8 @@ MESH_AXES = (TP_AXIS, DCP_AXIS)
 #   ffw / experts / vocab: linear layers split over all TP devices together.
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
     "batch": None,
+    "embed": None,  # the hidden size: replicated, activations are small at decode
+    "head_dim": None,
     "q_heads": (TP_AXIS, DCP_AXIS),
     "kv_heads": (TP_AXIS,),
     "kv_tokens": (DCP_AXIS,),
@@ -51,7 +54,9 @@ def logical_spec(*logical_axes: str | None) -> PartitionSpec:
             continue
         if name not in LOGICAL_AXIS_RULES:
             raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_AXIS_RULES)}")
-        axes.append(LOGICAL_AXIS_RULES[name])
+        mesh_axes = LOGICAL_AXIS_RULES[name]
+        # one mesh axis is written bare, as shard_map writes it back (equal specs, one compile)
+        axes.append(mesh_axes[0] if mesh_axes is not None and len(mesh_axes) == 1 else mesh_axes)
     return PartitionSpec(*axes)
 
 

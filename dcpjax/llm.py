@@ -1,0 +1,184 @@
+"""`dcpjax.LLM`: vLLM's offline API on a ("tp", "dcp") mesh."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import pathlib
+from typing import Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from dcpjax.kernels.dispatch import check_attention_backend
+from dcpjax.config import ParallelConfig
+from dcpjax.engine import OfflineEngine, Sequence
+from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.outputs import RequestOutput
+from dcpjax.runner import ModelRunner, build_model, kv_cache_layout
+from dcpjax.sampling import SamplingParams
+from dcpjax.sharding import layout
+from dcpjax.sharding.mesh import make_mesh
+from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
+from dcpjax.weights import SafetensorsSource, llama_rules, load_state, random_checkpoint
+
+logger = logging.getLogger("dcpjax")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+CPU_DEFAULT_KV_BYTES = 64 << 20
+
+
+def _resolve_dtype(name: str, what: str):
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"{what} must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _kv_bytes_per_device(requested: int | None, utilization: float) -> int:
+    if requested is not None:
+        if requested <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
+        return int(requested)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:  # CPU: no memory statistics
+        return CPU_DEFAULT_KV_BYTES
+    return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
+
+
+class LLM:
+    """Load a model onto a ("tp", "dcp") mesh and generate (vLLM's argument names).
+
+    Args:
+      model: a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a
+        built-in tiny configuration with random weights: "tiny-llama" (the default), "tiny-qwen3".
+      tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
+      dcp_comm_backend: see `ParallelConfig`.
+      dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "bfloat16", "float32", "float16".
+      max_model_len: longest prompt + output (default: the model's max_position_embeddings).
+      kv_cache_memory_bytes: KV bytes per device (default: gpu_memory_utilization of device
+        memory; 64 MiB on CPU).
+      kv_cache_dtype: "auto" (the model dtype) or a dtype name.
+      attention_backend: "auto" | "pallas" | "reference".
+      block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
+      max_num_seqs: sequences decoded together.
+      max_num_batched_tokens: the longest prefill chunk (a power of two).
+    """
+
+    def __init__(
+        self,
+        model: str = "tiny-llama",
+        tensor_parallel_size: int = 1,
+        decode_context_parallel_size: int = 1,
+        cp_kv_cache_interleave_size: int = 1,
+        dcp_comm_backend: str = "ag_rs",
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        kv_cache_dtype: str = "auto",
+        attention_backend: str = "auto",
+        seed: int = 0,
+        block_size: int = 16,
+        gpu_memory_utilization: float = 0.9,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 256,
+    ):
+        self.parallel_config = pc = ParallelConfig(
+            tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, dcp_comm_backend
+        )
+        check_attention_backend(attention_backend)
+        layout.check_block_size(block_size, pc.interleave)
+        if max_num_batched_tokens < 1 or max_num_batched_tokens & (max_num_batched_tokens - 1):
+            raise ValueError(f"max_num_batched_tokens must be a power of two, got {max_num_batched_tokens}")
+        self.dtype = _resolve_dtype(dtype, "dtype")
+        cache_dtype = self.dtype if kv_cache_dtype == "auto" else _resolve_dtype(kv_cache_dtype, "kv_cache_dtype")
+
+        if model in TINY_MODELS:
+            self.model_config = cfg = TINY_MODELS[model]
+            source, self.tokenizer = random_checkpoint(cfg, pc, seed), ByteTokenizer()
+        elif (pathlib.Path(model) / "config.json").is_file():
+            self.model_config = cfg = ModelConfig.from_pretrained(model)
+            source, self.tokenizer = SafetensorsSource(model), load_tokenizer(model)
+        else:
+            raise ValueError(
+                f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a folder with config.json"
+            )
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if not 1 < self.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, "
+                             f"got {self.max_model_len}")
+        cfg.check_max_model_len(self.max_model_len)
+
+        self.mesh = make_mesh(pc)
+        graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
+        state = load_state(state, llama_rules(cfg, pc), source, self.mesh, self.dtype)
+        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype,
+                             bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization))
+        self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
+        per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
+        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, jax.devices()[0].platform)
+        logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)",
+                    self.kv_cache_size_tokens, kv.num_blocks, block_size, pc.dcp, per_device / 2**20)
+        needed = layout.blocks_needed(self.max_model_len, block_size, pc.dcp)
+        if needed > kv.num_blocks:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} needs {needed} KV blocks but the cache holds {kv.num_blocks} "
+                f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes or lower max_model_len"
+            )
+        self.runner = ModelRunner(cfg, pc, self.mesh, graphdef, state, kv, attention_backend)
+        eos = set(cfg.eos_token_id) | ({self.tokenizer.eos_token_id} if self.tokenizer is not None
+                                       and self.tokenizer.eos_token_id is not None else set())
+        self.engine = OfflineEngine(
+            self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, max_chunk=max_num_batched_tokens,
+        )
+        self.seed = seed
+        self._request_ids = itertools.count()
+
+    # -- generation --------------------------------------------------------------------------
+    def _to_sequence(self, prompt, params: SamplingParams, index: int) -> Sequence:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]}")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        else:
+            raise ValueError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        vocab = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             "room to generate")
+        budget = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        request = next(self._request_ids)
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + request) % 2**32
+        return Sequence(
+            request_id=str(request), prompt=text, prompt_ids=ids, params=params,
+            max_total=min(len(ids) + budget, self.max_model_len), seed=seed,
+        )
+
+    def generate(
+        self,
+        prompts: str | dict | Seq[str | dict],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (strings, or {"prompt_token_ids": [...]}); outputs in prompt order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        sequences = [self._to_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm):
+            self.engine.run(sequences)
+        return [self.engine.output(seq) for seq in sequences]

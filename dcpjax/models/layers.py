@@ -1,0 +1,81 @@
+"""Sharded building blocks (Flax NNX): parameters carry their logical axes.
+
+Parameters are declared with their *global* shapes and logical axis names; the
+runner shards them by `LOGICAL_AXIS_RULES` and calls the modules inside
+`shard_map`, where every array is this device's shard. Row-parallel products
+(O projection, MLP down, embedding lookup) end in a psum over all TP devices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dcpjax.sharding.mesh import MODEL_AXES
+
+
+def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, init: str = "normal") -> nnx.Param:
+    """A parameter placeholder; values come from a checkpoint or `init` ("normal", "ones", "zeros")."""
+    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init=init)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, computed in float32 (as the reference implementations do)."""
+
+    def __init__(self, dim: int, eps: float, dtype, axis: str = "embed"):
+        self.weight = param((dim,), (axis,), dtype, init="ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class GatedMLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); ffw split over all TP devices."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype):
+        self.gate = param((hidden, intermediate), ("embed", "ffw"), dtype)
+        self.up = param((hidden, intermediate), ("embed", "ffw"), dtype)
+        self.down = param((intermediate, hidden), ("ffw", "embed"), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
+        h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+        return jax.lax.psum(h @ self.down[...], MODEL_AXES)
+
+
+class VocabEmbedding(nnx.Module):
+    """Embedding table split by vocabulary rows over all TP devices."""
+
+    def __init__(self, vocab_padded: int, hidden: int, dtype):
+        self.weight = param((vocab_padded, hidden), ("vocab", "embed"), dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [...] int -> [..., hidden]: each device looks up the ids it holds, then psum."""
+        rows = self.weight[...].shape[0]
+        local = tokens - jax.lax.axis_index(MODEL_AXES) * rows
+        inside = (local >= 0) & (local < rows)
+        found = jnp.take(self.weight[...], jnp.clip(local, 0, rows - 1), axis=0)
+        return jax.lax.psum(jnp.where(inside[..., None], found, 0), MODEL_AXES)
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
+        return jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+
+
+class LMHead(nnx.Module):
+    def __init__(self, hidden: int, vocab_padded: int, dtype):
+        self.weight = param((hidden, vocab_padded), ("embed", "vocab"), dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
+        return jnp.einsum("...e,ev->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+
+
+def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
+    """[..., vocab / TP] shards -> full [..., vocab] logits; padded rows dropped."""
+    full = jax.lax.all_gather(local_logits, MODEL_AXES, axis=local_logits.ndim - 1, tiled=True)
+    return full[..., :vocab_size]

@@ -1,0 +1,71 @@
+"""Tokenizers: a byte-level one for the built-in tiny models, Hugging Face's for folders."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from dcpjax.models.config import BYTE_BOS, BYTE_EOS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0..255; BOS and EOS follow. Every text round-trips."""
+
+    bos_token_id, eos_token_id = BYTE_BOS, BYTE_EOS
+    special_ids = frozenset({BYTE_BOS, BYTE_EOS})
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i for i in ids if i < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def token_text(self, token_id: int) -> str:
+        return {BYTE_BOS: "<bos>", BYTE_EOS: "<eos>"}.get(token_id) or self.decode([token_id])
+
+
+class HFTokenizer:
+    """`tokenizer.json` (tokenizers library) with the special tokens of `tokenizer_config.json`."""
+
+    def __init__(self, folder: str | pathlib.Path):
+        from tokenizers import Tokenizer
+
+        folder = pathlib.Path(folder)
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_token_id = self._special_id("bos_token")
+        self.eos_token_id = self._special_id("eos_token")
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.special_ids = frozenset(
+            self.tokenizer.token_to_id(t.content) for t in self.tokenizer.get_added_tokens_decoder().values() if t.special
+        )
+
+    def _special_id(self, key: str) -> int | None:
+        token = self.config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def load_tokenizer(folder: str | pathlib.Path | None):
+    """ByteTokenizer for built-in models (folder None); HFTokenizer if the folder has
+    tokenizer.json; None otherwise (prompts must then be token ids)."""
+    if folder is None:
+        return ByteTokenizer()
+    if (pathlib.Path(folder) / "tokenizer.json").is_file():
+        return HFTokenizer(folder)
+    return None

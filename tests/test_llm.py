@@ -1,0 +1,179 @@
+"""The offline API on the built-in tiny models: DCP invariance, sampling, stops, errors."""
+
+import numpy as np
+import pytest
+
+import dcpjax
+from dcpjax import LLM, SamplingParams
+from dcpjax.engine import OfflineEngine, Sequence
+from dcpjax.models.config import BYTE_EOS, TINY_MODELS
+from dcpjax.tokenizer import ByteTokenizer
+from dcpjax.weights import DictSource, llama_rules, load_state, random_checkpoint
+from dcpjax.runner import build_model
+
+PROMPTS = ["Hello", "Decode context parallelism splits the KV cache by token. " * 5, "x"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
+
+
+def make(model="tiny-llama", tp=8, dcp=1, **kw):
+    kw.setdefault("max_num_batched_tokens", 64)
+    kw.setdefault("kv_cache_memory_bytes", 4 << 20)
+    kw.setdefault("max_model_len", 512)
+    return LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **kw)
+
+
+@pytest.mark.parametrize("model, dcps", [("tiny-llama", (2, 4)), ("tiny-qwen3", (8,))])
+def test_dcp_k_equals_dcp_1(model, dcps):
+    base = make(model, dcp=1).generate(PROMPTS, GREEDY)
+    for dcp in dcps:
+        for comm, interleave in (("ag_rs", 1), ("a2a", 4)):
+            llm = make(model, dcp=dcp, dcp_comm_backend=comm, cp_kv_cache_interleave_size=interleave, block_size=8)
+            for want, got in zip(base, llm.generate(PROMPTS, GREEDY)):
+                assert got.outputs[0].token_ids == want.outputs[0].token_ids
+                for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+                    assert {t: lp.logprob for t, lp in a.items()} == pytest.approx(
+                        {t: lp.logprob for t, lp in b.items()}, abs=1e-4)
+
+
+def test_outputs_look_like_vllm():
+    out = make().generate(PROMPTS[:2], GREEDY)
+    assert [o.request_id for o in out] != [] and out[0].prompt == "Hello"
+    assert out[0].prompt_token_ids == ByteTokenizer().encode("Hello")
+    completion = out[0].outputs[0]
+    assert len(completion.token_ids) == 12 and completion.finish_reason == "length"
+    assert completion.text == ByteTokenizer().decode(completion.token_ids)
+    for step, token in zip(completion.logprobs, completion.token_ids):
+        assert token in step and 3 <= len(step) <= 4
+        assert step[token].rank == 1  # greedy picks the best token
+        assert isinstance(step[token].decoded_token, str)
+    assert completion.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
+
+
+def test_no_recompilation_as_sequences_grow():
+    llm = make()
+    llm.generate(["a" * 10, "b" * 40], SamplingParams(temperature=0, max_tokens=5))
+    compiled = llm.runner.compiled_step_count
+    assert compiled == 2  # one prefill chunk shape, one decode shape
+    llm.generate(["c" * 30, "d" * 61], SamplingParams(temperature=0, max_tokens=40))
+    assert llm.runner.compiled_step_count == compiled
+
+
+def test_sampling_controls():
+    llm = make()
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8))
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]
+    for params in (SamplingParams(temperature=1.5, top_k=1, max_tokens=8),
+                   SamplingParams(temperature=1.5, min_p=1.0, max_tokens=8),
+                   SamplingParams(temperature=1.5, top_p=1e-6, max_tokens=8)):
+        assert ids(llm.generate(PROMPTS, params)) == ids(greedy)
+    seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=16)
+    first = ids(llm.generate(PROMPTS, seeded))
+    assert ids(llm.generate(PROMPTS[::-1], seeded))[::-1] == first  # reproducible whatever the batch
+    other = ids(llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=124, max_tokens=16)))
+    assert other != first
+    assert first != ids(greedy)
+    sampled = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=5, max_tokens=16, logprobs=0))
+    for out in sampled:
+        for step, token in zip(out.outputs[0].logprobs, out.outputs[0].token_ids):
+            assert step[token].rank <= 5
+
+
+def test_stop_token_ids_and_stop_strings():
+    llm = make()
+    base = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    stop_id = base.token_ids[4]
+    cut = base.token_ids.index(stop_id)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == base.token_ids[: cut + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    text = base.text
+    stop = text[5:7]
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0].outputs[0]
+    assert out.text == text[: text.index(stop)] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    kept = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=12, stop=stop,
+                                                include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == text[: text.index(stop) + len(stop)]
+
+
+def _engine_for_stops():
+    class Runner:
+        pc = dcpjax.ParallelConfig()
+        kv_layout = type("L", (), {"num_blocks": 4})()
+
+    return OfflineEngine(Runner(), ByteTokenizer(), {BYTE_EOS}, block_size=4, max_model_len=64, max_num_seqs=4,
+                         max_chunk=16)
+
+
+@pytest.mark.parametrize("ignore_eos, reason", [(False, "stop"), (True, None)])
+def test_eos_ends_a_sequence_unless_ignored(ignore_eos, reason):
+    engine = _engine_for_stops()
+    seq = Sequence("0", "p", [1, 2], SamplingParams(ignore_eos=ignore_eos, max_tokens=10), max_total=12, seed=0)
+    for token in (ord("h"), ord("i"), BYTE_EOS):
+        seq.output_ids.append(token)
+        engine._check_stop(seq, token)
+    assert seq.finish_reason == reason
+    assert seq.text == "hi" if reason else seq.text.startswith("hi")
+
+
+def test_max_model_len_caps_generation():
+    llm = make(max_model_len=32)
+    out = llm.generate("y" * 25, SamplingParams(temperature=0, max_tokens=None))[0].outputs[0]
+    assert len(out.token_ids) == 32 - 26 and out.finish_reason == "length"  # BOS + 25 bytes
+
+
+def test_kv_cache_capacity_grows_with_dcp():
+    sizes = {dcp: make("tiny-qwen3", dcp=dcp).kv_cache_size_tokens for dcp in (1, 2, 8)}
+    assert sizes[2] == 2 * sizes[1] and sizes[8] == 8 * sizes[1]
+    llama = {dcp: make(dcp=dcp).kv_cache_size_tokens for dcp in (1, 2, 4)}
+    assert llama[2] == 2 * llama[1] and llama[4] == 4 * llama[1]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0),
+     ("logprobs", 21), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1])],
+)
+def test_invalid_sampling_values_name_the_field(field, value):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_and_configurations():
+    llm = make(max_model_len=64)
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate("z" * 80)
+    with pytest.raises(ValueError, match="is empty"):
+        llm.generate({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="outside"):
+        llm.generate({"prompt_token_ids": [5, 100000]})
+    with pytest.raises(ValueError, match="2 sampling_params for 1 prompts"):
+        llm.generate("a", [GREEDY, GREEDY])
+    with pytest.raises(ValueError, match="neither a built-in model"):
+        LLM("no-such-model")
+    with pytest.raises(ValueError, match="decode_context_parallel_size <= tensor_parallel_size // num_kv_heads"):
+        make(dcp=8)  # tiny-llama has 2 KV heads
+    with pytest.raises(ValueError, match="raise kv_cache_memory_bytes"):
+        make(kv_cache_memory_bytes=64 << 10, max_model_len=2048)
+    with pytest.raises(ValueError, match="block_size % cp_kv_cache_interleave_size"):
+        make(dcp=2, cp_kv_cache_interleave_size=3, block_size=16)
+
+
+def test_checkpoint_problems_are_named():
+    cfg, pc = TINY_MODELS["tiny-llama"], dcpjax.ParallelConfig(2)
+    mesh = dcpjax.make_mesh(pc)
+    rules = llama_rules(cfg, pc)
+    good = random_checkpoint(cfg, pc, seed=0).tensors
+
+    def load(tensors):
+        load_state(build_model(cfg, pc, np.float32)[1], rules, DictSource(tensors), mesh, np.float32, progress=False)
+
+    load(good)
+    missing = dict(good)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match="missing tensors: model.layers.1.mlp.up_proj.weight"):
+        load(missing)
+    with pytest.raises(ValueError, match="unexpected tensors: model.layers.2.mlp.up_proj.weight"):
+        load(good | {"model.layers.2.mlp.up_proj.weight": np.zeros(3)})
+    with pytest.raises(ValueError, match=r"mis-shaped tensors: model.norm.weight: checkpoint \(3,\)"):
+        load(good | {"model.norm.weight": np.zeros(3)})
+    load(good | {"model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8)})  # known leftovers are fine

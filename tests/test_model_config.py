@@ -1,0 +1,64 @@
+"""config.json parsing (both spellings) and RoPE frequencies against transformers' values."""
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from dcpjax.models.config import ModelConfig, RopeConfig
+from dcpjax.models.rope import rope_frequencies
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+ROPE = json.loads((FIXTURES / "rope_expected.json").read_text())
+
+
+def published_spelling(config: dict) -> dict:
+    """The spelling released checkpoints use: rope_theta + rope_scaling (with 'type')."""
+    config = dict(config)
+    params = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = params.pop("rope_theta")
+    rope_type = params.pop("rope_type")
+    config["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **params}
+    return config
+
+
+@pytest.mark.parametrize("case", list(ROPE))
+@pytest.mark.parametrize("spelling", ["current", "published"])
+def test_rope_frequencies_match_transformers(case, spelling):
+    config = ROPE[case]["config"]
+    if spelling == "published":
+        config = published_spelling(config)
+    rope = RopeConfig.from_hf(config)
+    inv_freq, factor = rope_frequencies(rope, 64)
+    np.testing.assert_allclose(inv_freq, ROPE[case]["inv_freq"], rtol=1e-6)
+    assert factor == pytest.approx(ROPE[case]["attention_factor"], rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen3"])
+def test_both_spellings_give_the_same_config(name):
+    config = json.loads((FIXTURES / name / "config.json").read_text())
+    assert ModelConfig.from_hf(config) == ModelConfig.from_hf(published_spelling(config))
+
+
+def test_fixture_configs():
+    llama = ModelConfig.from_pretrained(FIXTURES / "llama3-rope")
+    assert (llama.architecture, llama.rope.rope_type, llama.qk_norm) == ("LlamaForCausalLM", "llama3", False)
+    qwen = ModelConfig.from_pretrained(FIXTURES / "qwen3")
+    assert qwen.qk_norm and qwen.rope.theta == 1e6 and qwen.num_key_value_heads == 2
+
+
+def test_unsupported_inputs_are_named():
+    config = json.loads((FIXTURES / "qwen3" / "config.json").read_text())
+    with pytest.raises(ValueError, match="architecture 'GPT2LMHeadModel' is not supported"):
+        ModelConfig.from_hf(config | {"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(config | {"hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="RoPE type 'longrope'"):
+        ModelConfig.from_hf(config | {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1.0}})
+    windowed = ModelConfig.from_hf(config | {"sliding_window": 64, "use_sliding_window": True})
+    windowed.check_max_model_len(64)
+    with pytest.raises(ValueError, match="sliding-window"):
+        windowed.check_max_model_len(65)
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelConfig.from_pretrained(FIXTURES)
