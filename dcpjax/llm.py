@@ -9,7 +9,6 @@ from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from dcpjax.kernels.dispatch import check_attention_backend

@@ -9,11 +9,9 @@ without recompiling, lengths and positions are data.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
