@@ -16,17 +16,21 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.config import ModelConfig
-from dcpjax.models.llama import LlamaForCausalLM, StepContext, kv_head_slots
+from dcpjax.models.base import StepContext, kv_head_slots
+from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
+from dcpjax.models.deepseek import DeepseekV3ForCausalLM
+from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sharding.mesh import logical_spec
 
 KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
+MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
 
 def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its abstract (shape-only) parameters."""
     pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
-    abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, pc, dtype))
+    model_class = MODEL_CLASSES[cfg.architecture]
+    abstract = nnx.eval_shape(lambda: model_class(cfg, pc, dtype))
     return nnx.split(abstract)
 
 
@@ -44,12 +48,12 @@ class KVCacheLayout:
     num_blocks: int  # physical blocks per rank; block ids are shared by all ranks
     block_size: int
     kv_slots: int  # KV heads as stored (repeated over "tp" groups when needed)
-    head_dim: int
+    pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), or (latent,) for MLA
     dtype: jnp.dtype
 
     def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
         local_heads = self.kv_slots // tp_groups
-        return num_layers * 2 * self.block_size * local_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return num_layers * self.block_size * local_heads * sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize
 
 
 class ModelRunner:
@@ -58,18 +62,21 @@ class ModelRunner:
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
         self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend)
-        local_shape = (kv.num_blocks, kv.block_size, kv.kv_slots // pc.kv_head_groups, kv.head_dim)
-        # Made by a shard_map like the step's outputs, so both carry the same sharding
-        # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
-        zeros = jax.jit(jax.shard_map(lambda: jnp.zeros(local_shape, kv.dtype), mesh=mesh, in_specs=(),
-                                      out_specs=KV_POOL_SPEC))
-        self.kv_caches = tuple((zeros(), zeros()) for _ in range(cfg.num_hidden_layers))
+        local_heads = kv.kv_slots // pc.kv_head_groups
+
+        def zeros(dim):
+            # Made by a shard_map like the step's outputs, so both carry the same sharding
+            # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
+            make = lambda: jnp.zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype)
+            return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=KV_POOL_SPEC))()
+
+        self.kv_caches = tuple(tuple(zeros(d) for d in kv.pool_dims) for _ in range(cfg.num_hidden_layers))
         self._step = self._compile_step()
 
     def _compile_step(self):
         graphdef, ctx = self.graphdef, self.ctx
         replicated = PartitionSpec()
-        cache_specs = tuple((KV_POOL_SPEC, KV_POOL_SPEC) for _ in range(self.cfg.num_hidden_layers))
+        cache_specs = tuple((KV_POOL_SPEC,) * len(self.kv_layout.pool_dims) for _ in range(self.cfg.num_hidden_layers))
 
         def body(state, kv_caches, tokens, positions, valid, last_index, block_tables):
             model = nnx.merge(graphdef, state)
@@ -105,7 +112,11 @@ class ModelRunner:
 def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,
                     dtype) -> KVCacheLayout:
     """Blocks that fit `bytes_per_device` of KV on each device."""
-    layout = KVCacheLayout(0, block_size, kv_head_slots(cfg.num_key_value_heads, pc), cfg.head_dim, jnp.dtype(dtype))
+    if cfg.use_mla:  # one latent per token: the compressed KV and the shared rotary key
+        slots, dims = kv_head_slots(1, pc), (cfg.latent_dim,)
+    else:
+        slots, dims = kv_head_slots(cfg.num_key_value_heads, pc), (cfg.head_dim, cfg.head_dim)
+    layout = KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype))
     per_block = layout.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
     layout.num_blocks = int(bytes_per_device // per_block)
     if layout.num_blocks < 1:

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from dcpjax.config import ParallelConfig
+from dcpjax.models.base import kv_head_slots
 from dcpjax.models.config import ModelConfig
 from dcpjax.sharding.mesh import logical_spec
 
@@ -93,20 +94,30 @@ def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int,
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """How one dcpjax parameter is read: the checkpoint tensor and the slice mapping."""
+    """How one dcpjax parameter is read: the checkpoint tensors it comes from (name ->
+    shape) and `read(source, index, shape)`, the slice mapping."""
 
-    hf_name: str
-    hf_shape: tuple[int, ...]
+    tensors: dict[str, tuple[int, ...]]
     read: Callable[[TensorSource, tuple[slice, ...], tuple[int, ...]], np.ndarray]
 
 
 def same(hf_name, hf_shape) -> Rule:
-    return Rule(hf_name, hf_shape, lambda src, idx, shape: src.read(hf_name, idx))
+    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx))
 
 
 def transposed(hf_name, hf_shape) -> Rule:
     """dcpjax [in, out] <- torch Linear [out, in]."""
-    return Rule(hf_name, hf_shape, lambda src, idx, shape: src.read(hf_name, idx[::-1]).T)
+    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx[::-1]).T)
+
+
+def stacked_experts(hf_names: list[str], hf_shape: tuple[int, int]) -> Rule:
+    """dcpjax [experts, in, out] <- one torch Linear [out, in] per expert."""
+
+    def read(src, idx, shape):
+        (x0, x1), (i0, i1), (o0, o1) = _bounds(idx, shape)
+        return np.stack([src.read(hf_names[e], (slice(o0, o1), slice(i0, i1))).T for e in range(x0, x1)])
+
+    return Rule({name: hf_shape for name in hf_names}, read)
 
 
 def head_rows(hf_name, heads: int, head_dim: int, repeats: int, hidden: int | None) -> Rule:
@@ -129,7 +140,7 @@ def head_rows(hf_name, heads: int, head_dim: int, repeats: int, hidden: int | No
         return block if hidden is None else np.moveaxis(block, 2, 0)
 
     hf_shape = (heads * head_dim,) if hidden is None else (heads * head_dim, hidden)
-    return Rule(hf_name, hf_shape, read)
+    return Rule({hf_name: hf_shape}, read)
 
 
 def output_heads(hf_name, heads: int, head_dim: int, hidden: int) -> Rule:
@@ -140,7 +151,7 @@ def output_heads(hf_name, heads: int, head_dim: int, hidden: int) -> Rule:
         block = src.read(hf_name, (slice(e0, e1), slice(h0 * head_dim, h1 * head_dim)))
         return np.moveaxis(block.reshape(e1 - e0, h1 - h0, head_dim), 0, 2)[:, d0:d1]
 
-    return Rule(hf_name, (hidden, heads * head_dim), read)
+    return Rule({hf_name: (hidden, heads * head_dim)}, read)
 
 
 def vocab_rows(hf_name, vocab: int, hidden: int, transpose: bool) -> Rule:
@@ -154,13 +165,11 @@ def vocab_rows(hf_name, vocab: int, hidden: int, transpose: bool) -> Rule:
         block[: real.shape[0]] = real
         return block.T if transpose else block
 
-    return Rule(hf_name, (vocab, hidden), read)
+    return Rule({hf_name: (vocab, hidden)}, read)
 
 
 def llama_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
     """dcpjax parameter path -> Rule, for the Llama family."""
-    from dcpjax.models.llama import kv_head_slots
-
     e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
     repeats = kv_head_slots(kv, pc) // kv
@@ -179,10 +188,21 @@ def llama_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
             f"{ours}.attention.k_proj": head_rows(f"{hf}.self_attn.k_proj.weight", kv, d, repeats, e),
             f"{ours}.attention.v_proj": head_rows(f"{hf}.self_attn.v_proj.weight", kv, d, repeats, e),
             f"{ours}.attention.o_proj": output_heads(f"{hf}.self_attn.o_proj.weight", heads, d, e),
-            f"{ours}.mlp.gate": transposed(f"{hf}.mlp.gate_proj.weight", (f, e)),
-            f"{ours}.mlp.up": transposed(f"{hf}.mlp.up_proj.weight", (f, e)),
-            f"{ours}.mlp.down": transposed(f"{hf}.mlp.down_proj.weight", (e, f)),
         }
+        if i in cfg.sparse_layers:
+            experts, moe = range(cfg.num_experts), cfg.moe_intermediate_size
+            rules |= {
+                f"{ours}.mlp.router": transposed(f"{hf}.mlp.gate.weight", (cfg.num_experts, e)),
+                f"{ours}.mlp.gate": stacked_experts([f"{hf}.mlp.experts.{x}.gate_proj.weight" for x in experts], (moe, e)),
+                f"{ours}.mlp.up": stacked_experts([f"{hf}.mlp.experts.{x}.up_proj.weight" for x in experts], (moe, e)),
+                f"{ours}.mlp.down": stacked_experts([f"{hf}.mlp.experts.{x}.down_proj.weight" for x in experts], (e, moe)),
+            }
+        else:
+            rules |= {
+                f"{ours}.mlp.gate": transposed(f"{hf}.mlp.gate_proj.weight", (f, e)),
+                f"{ours}.mlp.up": transposed(f"{hf}.mlp.up_proj.weight", (f, e)),
+                f"{ours}.mlp.down": transposed(f"{hf}.mlp.down_proj.weight", (e, f)),
+            }
         if cfg.attention_bias:
             rules |= {
                 f"{ours}.attention.q_bias": head_rows(f"{hf}.self_attn.q_proj.bias", heads, d, 1, None),
@@ -200,7 +220,7 @@ def llama_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
 # -- loading -------------------------------------------------------------------------------
 def check_checkpoint(rules: dict[str, Rule], source: TensorSource) -> None:
     """Every expected tensor present with its shape, nothing unexplained left over."""
-    expected = {r.hf_name: r.hf_shape for r in rules.values()}
+    expected = {name: shape for r in rules.values() for name, shape in r.tensors.items()}
     available = source.names()
     missing = sorted(set(expected) - available)
     extra = sorted(n for n in available - set(expected) if not IGNORED_CHECKPOINT_TENSORS.match(n))
@@ -241,9 +261,10 @@ def random_checkpoint(cfg: ModelConfig, pc: ParallelConfig, seed: int, std: floa
     """A random Hugging Face-layout state dict for a built-in tiny model (norms at 1)."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    for rule in sorted(llama_rules(cfg, pc).values(), key=lambda r: r.hf_name):
-        if rule.hf_name.endswith("norm.weight") or "layernorm" in rule.hf_name:
-            tensors[rule.hf_name] = np.ones(rule.hf_shape, np.float32)
+    expected = {name: shape for r in llama_rules(cfg, pc).values() for name, shape in r.tensors.items()}
+    for name in sorted(expected):
+        if name.endswith("norm.weight") or "layernorm" in name:
+            tensors[name] = np.ones(expected[name], np.float32)
         else:
-            tensors[rule.hf_name] = (rng.standard_normal(rule.hf_shape) * std).astype(np.float32)
+            tensors[name] = (rng.standard_normal(expected[name]) * std).astype(np.float32)
     return DictSource(tensors)

@@ -29,7 +29,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("tp, dcp, interleave, comm, backend", CASES)
-@pytest.mark.parametrize("name", ["llama3-rope", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe"])
 def test_greedy_tokens_and_logprobs_match_transformers(name, tp, dcp, interleave, comm, backend):
     folder = FIXTURES / name
     expected = json.loads((folder / "expected.json").read_text())["cases"]

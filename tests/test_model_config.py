@@ -20,6 +20,8 @@ def published_spelling(config: dict) -> dict:
     config["rope_theta"] = params.pop("rope_theta")
     rope_type = params.pop("rope_type")
     config["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **params}
+    if "num_local_experts" in config:
+        config["num_experts"] = config.pop("num_local_experts")
     return config
 
 
@@ -35,7 +37,7 @@ def test_rope_frequencies_match_transformers(case, spelling):
     assert factor == pytest.approx(ROPE[case]["attention_factor"], rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["llama3-rope", "qwen3"])
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe"])
 def test_both_spellings_give_the_same_config(name):
     config = json.loads((FIXTURES / name / "config.json").read_text())
     assert ModelConfig.from_hf(config) == ModelConfig.from_hf(published_spelling(config))
@@ -46,6 +48,8 @@ def test_fixture_configs():
     assert (llama.architecture, llama.rope.rope_type, llama.qk_norm) == ("LlamaForCausalLM", "llama3", False)
     qwen = ModelConfig.from_pretrained(FIXTURES / "qwen3")
     assert qwen.qk_norm and qwen.rope.theta == 1e6 and qwen.num_key_value_heads == 2
+    moe = ModelConfig.from_pretrained(FIXTURES / "qwen3-moe")
+    assert (moe.num_experts, moe.num_experts_per_tok, moe.sparse_layers, moe.norm_topk_prob) == (8, 2, (1,), True)
 
 
 def test_unsupported_inputs_are_named():

@@ -12,8 +12,9 @@ import json
 import pathlib
 from typing import Any
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY
+LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+DEEPSEEK_FAMILY = ("DeepseekV3ForCausalLM",)
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -78,13 +79,35 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each q and k head before RoPE (Qwen3)
     rope: RopeConfig = RopeConfig()
     sliding_window: int | None = None
+    # routed experts (Qwen3-MoE); sparse_layers lists the layers whose MLP is routed
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+    # DeepSeek-V3: multi-head latent attention and grouped sigmoid routing with shared experts
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     dtype: str = "float32"  # the checkpoint's torch_dtype
 
     @property
     def use_mla(self) -> bool:
-        return False
+        return self.kv_lora_rank > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one cached MLA token: the compressed KV plus the shared rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
@@ -101,22 +124,47 @@ class ModelConfig:
         eos = config.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        layers = config["num_hidden_layers"]
+        experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
+        step, dense_only = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
+        first_sparse = config.get("first_k_dense_replace", 0)
+        sparse = tuple(i for i in range(layers)
+                       if experts and i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
+        mla = {}
+        if architecture in DEEPSEEK_FAMILY:
+            mla = dict(
+                q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
+                qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
+                v_head_dim=config["v_head_dim"], rope_interleave=bool(config.get("rope_interleave", True)),
+                n_shared_experts=config.get("n_shared_experts") or 0,
+                routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                n_group=config.get("n_group") or 1, topk_group=config.get("topk_group") or 1,
+                head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
+            )
+            if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
+                raise ValueError("only DeepSeek-V3's routing (scoring_func sigmoid, topk_method noaux_tc) is supported")
         return cls(
             architecture=architecture,
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
+            num_hidden_layers=layers,
             num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            num_key_value_heads=1 if mla else config.get("num_key_value_heads") or heads,
+            head_dim=mla.pop("head_dim", None) or config.get("head_dim") or config["hidden_size"] // heads,
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=RopeConfig.from_hf(config),
             sliding_window=window,
+            num_experts=experts,
+            num_experts_per_tok=config.get("num_experts_per_tok", 0) if experts else 0,
+            moe_intermediate_size=config.get("moe_intermediate_size", 0) if experts else 0,
+            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+            sparse_layers=sparse,
+            **mla,
             bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
             dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),

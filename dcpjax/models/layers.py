@@ -23,7 +23,7 @@ def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, i
 class RMSNorm(nnx.Module):
     """x / rms(x) * weight, computed in float32 (as the reference implementations do)."""
 
-    def __init__(self, dim: int, eps: float, dtype, axis: str = "embed"):
+    def __init__(self, dim: int, eps: float, dtype, axis: str | None = "embed"):
         self.weight = param((dim,), (axis,), dtype, init="ones")
         self.eps = eps
 
@@ -79,3 +79,41 @@ def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
     """[..., vocab / TP] shards -> full [..., vocab] logits; padded rows dropped."""
     full = jax.lax.all_gather(local_logits, MODEL_AXES, axis=local_logits.ndim - 1, tiled=True)
     return full[..., :vocab_size]
+
+
+def routed_experts(x, experts, weights, w_gate, w_up, w_down):
+    """Each token through its chosen experts, weighted (grouped matmuls, no dense E x work).
+
+    x [N, hidden]; experts, weights [N, k]; w_gate, w_up [E, hidden, I]; w_down [E, I, hidden].
+    Returns [N, hidden] (this device's partial sum when I is sharded).
+    """
+    tokens, top_k = experts.shape
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)  # group token copies by expert
+    rows = order // top_k
+    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    grouped = x[rows]
+    hidden = jax.nn.silu(jax.lax.ragged_dot(grouped, w_gate, sizes)) * jax.lax.ragged_dot(grouped, w_up, sizes)
+    out = jax.lax.ragged_dot(hidden, w_down, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    return jnp.zeros_like(x).at[rows].add(out)
+
+
+class SparseMoE(nnx.Module):
+    """Top-k softmax-routed experts (Qwen3-MoE); each expert's FFW split over all TP devices."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype):
+        self.router = param((hidden, num_experts), ("embed", None), dtype)
+        self.gate = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype)
+        self.up = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype)
+        self.down = param((num_experts, intermediate, hidden), ("experts", "moe_ffw", "embed"), dtype)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
+        flat = x.reshape(-1, x.shape[-1])
+        probs = jax.nn.softmax((flat @ self.router[...]).astype(jnp.float32), axis=-1)
+        weights, experts = jax.lax.top_k(probs, self.top_k)
+        if self.norm_topk_prob:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        out = routed_experts(flat, experts, weights, self.gate[...], self.up[...], self.down[...])
+        return jax.lax.psum(out, MODEL_AXES).reshape(x.shape)

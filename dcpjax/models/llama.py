@@ -1,7 +1,7 @@
-"""Llama-family decoders under DCP: Llama, Mistral, Qwen2, Qwen3 (Flax NNX).
+"""Llama-family decoders under DCP: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE (Flax NNX).
 
-GQA with RoPE, RMSNorm, SwiGLU; Qwen2's q/k/v bias and Qwen3's per-head q/k
-RMSNorm; tied embeddings. Runs inside `shard_map` (see `dcpjax.runner`): query
+GQA with RoPE, RMSNorm, SwiGLU; Qwen2's q/k/v bias, Qwen3's per-head q/k
+RMSNorm, Qwen3-MoE's routed experts; tied embeddings. Runs inside `shard_map` (see `dcpjax.runner`): query
 heads, FFW and vocab split over all TP devices, KV heads over "tp", KV tokens
 over "dcp". One forward handles a chunk of T tokens per sequence (prefill
 chunks and decode alike): each token's K/V is written on the DCP rank that
@@ -11,36 +11,17 @@ own causal bound and the exact LSE merge.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.layers import GatedMLP, LMHead, RMSNorm, VocabEmbedding, gather_vocab, param
+from dcpjax.models.base import CausalLM, DecoderLayer, StepContext, kv_head_slots
+from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
 from dcpjax.sharding.mesh import MODEL_AXES
-
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-    """Static facts of one compiled step, shared by every layer."""
-
-    pc: ParallelConfig
-    block_size: int
-    attention_backend: str = "auto"
-
-
-def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
-    """KV heads as stored: repeated when the "tp" axis has more groups than heads."""
-    return max(num_kv_heads, pc.kv_head_groups)
-
-
-def padded_vocab(vocab_size: int, pc: ParallelConfig) -> int:
-    return -(-vocab_size // pc.tp) * pc.tp
 
 
 class LlamaAttention(nnx.Module):
@@ -92,47 +73,16 @@ class LlamaAttention(nnx.Module):
         return jax.lax.psum(out, MODEL_AXES), (k_pool, v_pool)
 
 
-class LlamaDecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attention = LlamaAttention(cfg, pc, dtype)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
-
-    def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        attended, kv = self.attention(self.input_norm(x), positions, valid, kv, block_tables, ctx)
-        x = x + attended
-        return x + self.mlp(self.post_attention_norm(x)), kv
+def llama_mlp(cfg: ModelConfig, dtype, index: int) -> nnx.Module:
+    if index in cfg.sparse_layers:
+        return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob, dtype)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
 
-class LlamaForCausalLM(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 causal LM."""
+class LlamaForCausalLM(CausalLM):
+    """Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE causal LM."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
-        vocab = padded_vocab(cfg.vocab_size, pc)
-        self.embed = VocabEmbedding(vocab, cfg.hidden_size, dtype)
-        self.layers = nnx.List([LlamaDecoderLayer(cfg, pc, dtype) for _ in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype)
-        self.vocab_size = cfg.vocab_size
-
-    def __call__(self, tokens, positions, valid, last_index, kv_caches, block_tables, ctx: StepContext):
-        """One chunk of T tokens per sequence.
-
-        Args:
-          tokens, positions, valid: [B, T] (padding has valid False).
-          last_index: [B] the chunk index whose next-token logits are wanted.
-          kv_caches: per layer (k_pool, v_pool), this rank's [num_blocks, bs, kv_local, d].
-          block_tables: [B, P] shared by all ranks.
-        Returns:
-          logits [B, vocab] float32 (replicated) and the updated kv_caches.
-        """
-        x = self.embed(tokens)
-        new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, positions, valid, kv, block_tables, ctx)
-            new_caches.append(kv)
-        last = jnp.take_along_axis(x, last_index[:, None, None], axis=1)[:, 0]  # [B, hidden]
-        last = self.norm(last)
-        local = self.embed.attend(last) if self.lm_head is None else self.lm_head(last)
-        return gather_vocab(local, self.vocab_size), tuple(new_caches)
+        super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(
+            cfg, dtype, LlamaAttention(cfg, pc, dtype), llama_mlp(cfg, dtype, i)))

@@ -26,7 +26,8 @@ MODEL_AXES = (TP_AXIS, DCP_AXIS)  # all TP devices of a replica: reductions of r
 #     Q projections and the O projection share work over all TP devices.
 #   kv_heads: DCP re-uses TP ranks, so only the TP // DCP groups split KV heads.
 #   kv_tokens: the interleaved token positions of the KV cache, over DCP ranks.
-#   ffw / experts / vocab: linear layers split over all TP devices together.
+#   ffw / moe_ffw / vocab: linear layers split over all TP devices together; a routed
+#     expert is split like a dense MLP (tensor-parallel experts, exact for any routing).
 LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
     "batch": None,
     "embed": None,  # the hidden size: replicated, activations are small at decode
@@ -36,7 +37,8 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
     "kv_tokens": (DCP_AXIS,),
     "kv_pages": (DCP_AXIS,),
     "ffw": (TP_AXIS, DCP_AXIS),
-    "experts": (TP_AXIS, DCP_AXIS),
+    "moe_ffw": (TP_AXIS, DCP_AXIS),  # each routed expert's FFW, split like a dense MLP
+    "experts": None,  # every device holds a slice of every expert (no expert parallelism yet)
     "vocab": (TP_AXIS, DCP_AXIS),
 }
 

@@ -1,0 +1,143 @@
+"""DeepSeek-V3 under DCP (Flax NNX): multi-head latent attention and grouped routing.
+
+MLA decodes in absorbed form: the cache holds one latent per token (the
+normalised compressed KV, kv_lora_rank wide, then the shared rotary key), which
+counts as a single KV head, so DCP splits it by token over "dcp" and nothing by
+head. Each device absorbs its query heads' W_UK into the query, attends over the
+latent with V = the latent's first kv_lora_rank features, and expands its heads'
+output with W_UV. YaRN's mscale enters the softmax scale. Experts: sigmoid
+scores plus a correction bias choose the top groups, then the top experts inside
+them; weights are renormalised and scaled; shared experts are a dense MLP.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import ModelConfig
+from dcpjax.models.base import CausalLM, DecoderLayer, StepContext
+from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
+from dcpjax.models.rope import apply_rope, rope_frequencies
+from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
+from dcpjax.sharding.mesh import MODEL_AXES
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN (as DeepSeek defines it)."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    rope = cfg.rope
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        mscale = 1.0 if rope.factor <= 1 else 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
+        heads, hidden = cfg.num_attention_heads, cfg.hidden_size
+        nope, rope, lora, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank, cfg.v_head_dim
+        if cfg.q_lora_rank:
+            self.q_a = param((hidden, cfg.q_lora_rank), ("embed", None), dtype)
+            self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, axis=None)
+            self.q_b = param((cfg.q_lora_rank, heads, nope + rope), (None, "q_heads", "head_dim"), dtype)
+        else:
+            self.q_proj = param((hidden, heads, nope + rope), ("embed", "q_heads", "head_dim"), dtype)
+        self.kv_a = param((hidden, lora + rope), ("embed", None), dtype)
+        self.kv_a_norm = RMSNorm(lora, cfg.rms_norm_eps, dtype, axis=None)
+        self.w_uk = param((heads, nope, lora), ("q_heads", "head_dim", None), dtype)  # absorbed into q
+        self.w_uv = param((heads, v, lora), ("q_heads", "head_dim", None), dtype)  # expands the output
+        self.o_proj = param((heads, v, hidden), ("q_heads", "head_dim", "embed"), dtype)
+        inv_freq, self.rope_factor = rope_frequencies(cfg.rope, rope)
+        self.inv_freq = tuple(float(f) for f in inv_freq)
+        self.sm_scale = mla_softmax_scale(cfg)
+        self.nope, self.lora, self.interleave = nope, lora, cfg.rope_interleave
+        self.q_lora = bool(cfg.q_lora_rank)
+
+    def _rope(self, x, positions):
+        if self.interleave:  # pairs (x0, x1), (x2, x3), ... -> halves, then rotate-half
+            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+        return apply_rope(x, positions, self.inv_freq, self.rope_factor)
+
+    def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
+        """x [B, T, hidden]; kv = (latent_pool,) this rank's pages [blocks, bs, 1, lora + rope]."""
+        if self.q_lora:
+            q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+        else:
+            q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+        q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope :], positions)
+        compressed = x @ self.kv_a[...]  # [B, T, lora + rope]
+        latent = jnp.concatenate(
+            [self.kv_a_norm(compressed[..., : self.lora]), self._rope(compressed[..., None, self.lora :], positions)[:, :, 0]],
+            axis=-1,
+        )  # [B, T, lora + rope]
+
+        (pool,) = kv
+        batch, chunk = positions.shape
+        slots = owned_slots(positions, ctx.pc, block_tables=block_tables, block_size=ctx.block_size, valid=valid)
+        new = jnp.broadcast_to(latent[:, :, None], (batch, chunk, pool.shape[2], latent.shape[-1]))
+        pool = write_tokens(pool, new.reshape(batch * chunk, *new.shape[2:]), slots.reshape(-1), paged=True)
+
+        q_absorbed = jnp.concatenate([jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...]), q_rope], axis=-1)
+        lengths = jnp.where(valid, positions + 1, 0)
+        out_latent, _ = dcp_attention(
+            q_absorbed, pool, None, lengths, ctx.pc, block_tables=block_tables, sm_scale=self.sm_scale,
+            v_head_dim=self.lora, attention_backend=ctx.attention_backend,
+        )
+        out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
+        out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])
+        return jax.lax.psum(out, MODEL_AXES), (pool,)
+
+
+class GroupedTopKMoE(nnx.Module):
+    """DeepSeek-V3 experts: routed (grouped top-k of sigmoid scores) + shared."""
+
+    def __init__(self, cfg: ModelConfig, dtype):
+        hidden, experts, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.router = param((hidden, experts), ("embed", None), jnp.float32)
+        self.correction_bias = param((experts,), (None,), jnp.float32, init="zeros")
+        self.gate = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype)
+        self.up = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype)
+        self.down = param((experts, inter, hidden), ("experts", "moe_ffw", "embed"), dtype)
+        self.shared = GatedMLP(hidden, inter * cfg.n_shared_experts, dtype) if cfg.n_shared_experts else None
+        self.top_k, self.groups, self.top_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+
+    def route(self, x):
+        """x [N, hidden] -> (weights [N, k] float32, experts [N, k])."""
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.router[...])
+        choice = scores + self.correction_bias[...]
+        tokens, experts = choice.shape
+        grouped = choice.reshape(tokens, self.groups, experts // self.groups)
+        group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # best two per group
+        _, top_groups = jax.lax.top_k(group_scores, self.top_groups)
+        group_mask = jnp.zeros((tokens, self.groups), bool).at[jnp.arange(tokens)[:, None], top_groups].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, experts // self.groups, axis=1), choice, -jnp.inf)
+        _, chosen = jax.lax.top_k(choice, self.top_k)
+        weights = jnp.take_along_axis(scores, chosen, axis=1)
+        if self.norm_topk_prob:
+            weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+        return weights * self.scaling, chosen
+
+    def __call__(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.route(flat)
+        routed = routed_experts(flat, chosen, weights, self.gate[...], self.up[...], self.down[...])
+        out = jax.lax.psum(routed, MODEL_AXES).reshape(x.shape)
+        return out if self.shared is None else out + self.shared(x)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3 / Kimi K2 causal LM (dense first layers, MLA, routed + shared experts)."""
+
+    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
+        def mlp(i):
+            if i in cfg.sparse_layers:
+                return GroupedTopKMoE(cfg, dtype)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+        super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(cfg, dtype, MLAttention(cfg, pc, dtype), mlp(i)))
