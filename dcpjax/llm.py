@@ -21,7 +21,7 @@ from dcpjax.sampling import SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
-from dcpjax.weights import SafetensorsSource, llama_rules, load_state, random_checkpoint
+from dcpjax.weights import SafetensorsSource, ignored_checkpoint_tensor, load_state, model_rules, random_checkpoint
 
 logger = logging.getLogger("dcpjax")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -112,7 +112,8 @@ class LLM:
 
         self.mesh = make_mesh(pc)
         graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
-        state = load_state(state, llama_rules(cfg, pc), source, self.mesh, self.dtype)
+        state = load_state(state, model_rules(cfg, pc), source, self.mesh,
+                           ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype,
                              bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization))
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp

@@ -168,11 +168,84 @@ def vocab_rows(hf_name, vocab: int, hidden: int, transpose: bool) -> Rule:
     return Rule({hf_name: (vocab, hidden)}, read)
 
 
-def llama_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
-    """dcpjax parameter path -> Rule, for the Llama family."""
-    e, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+def kv_b_part(hf_name, heads: int, nope: int, v: int, lora: int, part: str) -> Rule:
+    """MLA's kv_b_proj [heads*(nope+v), lora] -> W_UK [heads, nope, lora] or W_UV [heads, v, lora]."""
+    offset, width = (0, nope) if part == "k" else (nope, v)
+
+    def read(src, idx, shape):
+        (h0, h1), (d0, d1), (c0, c1) = _bounds(idx, shape)
+        block = src.read(hf_name, (slice(h0 * (nope + v), h1 * (nope + v)), slice(c0, c1)))
+        return block.reshape(h1 - h0, nope + v, c1 - c0)[:, offset + d0 : offset + d1]
+
+    return Rule({hf_name: (heads * (nope + v), lora)}, read)
+
+
+def mlp_rules(ours: str, hf: str, hidden: int, intermediate: int) -> dict[str, Rule]:
+    return {
+        f"{ours}.gate": transposed(f"{hf}.gate_proj.weight", (intermediate, hidden)),
+        f"{ours}.up": transposed(f"{hf}.up_proj.weight", (intermediate, hidden)),
+        f"{ours}.down": transposed(f"{hf}.down_proj.weight", (hidden, intermediate)),
+    }
+
+
+def expert_rules(ours: str, hf: str, cfg: ModelConfig) -> dict[str, Rule]:
+    e, moe, experts = cfg.hidden_size, cfg.moe_intermediate_size, range(cfg.num_experts)
+    names = lambda proj: [f"{hf}.experts.{x}.{proj}.weight" for x in experts]
+    return {
+        f"{ours}.router": transposed(f"{hf}.gate.weight", (cfg.num_experts, e)),
+        f"{ours}.gate": stacked_experts(names("gate_proj"), (moe, e)),
+        f"{ours}.up": stacked_experts(names("up_proj"), (moe, e)),
+        f"{ours}.down": stacked_experts(names("down_proj"), (e, moe)),
+    }
+
+
+def gqa_attention_rules(ours: str, hf: str, cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
+    e, d, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     repeats = kv_head_slots(kv, pc) // kv
+    rules = {
+        f"{ours}.q_proj": head_rows(f"{hf}.q_proj.weight", heads, d, 1, e),
+        f"{ours}.k_proj": head_rows(f"{hf}.k_proj.weight", kv, d, repeats, e),
+        f"{ours}.v_proj": head_rows(f"{hf}.v_proj.weight", kv, d, repeats, e),
+        f"{ours}.o_proj": output_heads(f"{hf}.o_proj.weight", heads, d, e),
+    }
+    if cfg.attention_bias:
+        rules |= {
+            f"{ours}.q_bias": head_rows(f"{hf}.q_proj.bias", heads, d, 1, None),
+            f"{ours}.k_bias": head_rows(f"{hf}.k_proj.bias", kv, d, repeats, None),
+            f"{ours}.v_bias": head_rows(f"{hf}.v_proj.bias", kv, d, repeats, None),
+        }
+    if cfg.qk_norm:
+        rules |= {
+            f"{ours}.q_norm.weight": same(f"{hf}.q_norm.weight", (d,)),
+            f"{ours}.k_norm.weight": same(f"{hf}.k_norm.weight", (d,)),
+        }
+    return rules
+
+
+def mla_attention_rules(ours: str, hf: str, cfg: ModelConfig) -> dict[str, Rule]:
+    e, heads, lora = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    rules = {
+        f"{ours}.kv_a": transposed(f"{hf}.kv_a_proj_with_mqa.weight", (lora + rope, e)),
+        f"{ours}.kv_a_norm.weight": same(f"{hf}.kv_a_layernorm.weight", (lora,)),
+        f"{ours}.w_uk": kv_b_part(f"{hf}.kv_b_proj.weight", heads, nope, v, lora, "k"),
+        f"{ours}.w_uv": kv_b_part(f"{hf}.kv_b_proj.weight", heads, nope, v, lora, "v"),
+        f"{ours}.o_proj": output_heads(f"{hf}.o_proj.weight", heads, v, e),
+    }
+    if cfg.q_lora_rank:
+        rules |= {
+            f"{ours}.q_a": transposed(f"{hf}.q_a_proj.weight", (cfg.q_lora_rank, e)),
+            f"{ours}.q_a_norm.weight": same(f"{hf}.q_a_layernorm.weight", (cfg.q_lora_rank,)),
+            f"{ours}.q_b": head_rows(f"{hf}.q_b_proj.weight", heads, nope + rope, 1, cfg.q_lora_rank),
+        }
+    else:
+        rules[f"{ours}.q_proj"] = head_rows(f"{hf}.q_proj.weight", heads, nope + rope, 1, e)
+    return rules
+
+
+def model_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
+    """dcpjax parameter path -> Rule, for every supported architecture."""
+    e = cfg.hidden_size
     rules = {
         "embed.weight": vocab_rows("model.embed_tokens.weight", cfg.vocab_size, e, transpose=False),
         "norm.weight": same("model.norm.weight", (e,)),
@@ -184,46 +257,38 @@ def llama_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
         rules |= {
             f"{ours}.input_norm.weight": same(f"{hf}.input_layernorm.weight", (e,)),
             f"{ours}.post_attention_norm.weight": same(f"{hf}.post_attention_layernorm.weight", (e,)),
-            f"{ours}.attention.q_proj": head_rows(f"{hf}.self_attn.q_proj.weight", heads, d, 1, e),
-            f"{ours}.attention.k_proj": head_rows(f"{hf}.self_attn.k_proj.weight", kv, d, repeats, e),
-            f"{ours}.attention.v_proj": head_rows(f"{hf}.self_attn.v_proj.weight", kv, d, repeats, e),
-            f"{ours}.attention.o_proj": output_heads(f"{hf}.self_attn.o_proj.weight", heads, d, e),
         }
-        if i in cfg.sparse_layers:
-            experts, moe = range(cfg.num_experts), cfg.moe_intermediate_size
-            rules |= {
-                f"{ours}.mlp.router": transposed(f"{hf}.mlp.gate.weight", (cfg.num_experts, e)),
-                f"{ours}.mlp.gate": stacked_experts([f"{hf}.mlp.experts.{x}.gate_proj.weight" for x in experts], (moe, e)),
-                f"{ours}.mlp.up": stacked_experts([f"{hf}.mlp.experts.{x}.up_proj.weight" for x in experts], (moe, e)),
-                f"{ours}.mlp.down": stacked_experts([f"{hf}.mlp.experts.{x}.down_proj.weight" for x in experts], (e, moe)),
-            }
+        if cfg.use_mla:
+            rules |= mla_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg)
         else:
-            rules |= {
-                f"{ours}.mlp.gate": transposed(f"{hf}.mlp.gate_proj.weight", (f, e)),
-                f"{ours}.mlp.up": transposed(f"{hf}.mlp.up_proj.weight", (f, e)),
-                f"{ours}.mlp.down": transposed(f"{hf}.mlp.down_proj.weight", (e, f)),
-            }
-        if cfg.attention_bias:
-            rules |= {
-                f"{ours}.attention.q_bias": head_rows(f"{hf}.self_attn.q_proj.bias", heads, d, 1, None),
-                f"{ours}.attention.k_bias": head_rows(f"{hf}.self_attn.k_proj.bias", kv, d, repeats, None),
-                f"{ours}.attention.v_bias": head_rows(f"{hf}.self_attn.v_proj.bias", kv, d, repeats, None),
-            }
-        if cfg.qk_norm:
-            rules |= {
-                f"{ours}.attention.q_norm.weight": same(f"{hf}.self_attn.q_norm.weight", (d,)),
-                f"{ours}.attention.k_norm.weight": same(f"{hf}.self_attn.k_norm.weight", (d,)),
-            }
+            rules |= gqa_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg, pc)
+        if i not in cfg.sparse_layers:
+            rules |= mlp_rules(f"{ours}.mlp", f"{hf}.mlp", e, cfg.intermediate_size)
+            continue
+        rules |= expert_rules(f"{ours}.mlp", f"{hf}.mlp", cfg)
+        if cfg.use_mla:  # DeepSeek-V3: routing bias and shared experts
+            rules[f"{ours}.mlp.correction_bias"] = same(f"{hf}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
+            if cfg.n_shared_experts:
+                rules |= mlp_rules(f"{ours}.mlp.shared", f"{hf}.mlp.shared_experts", e,
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
     return rules
 
 
+def ignored_checkpoint_tensor(cfg: ModelConfig, name: str) -> bool:
+    """Tensors a checkpoint may carry that dcpjax does not use (rotary caches, MTP layers)."""
+    if IGNORED_CHECKPOINT_TENSORS.match(name):
+        return True
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers  # DeepSeek's next-token layers
+
+
 # -- loading -------------------------------------------------------------------------------
-def check_checkpoint(rules: dict[str, Rule], source: TensorSource) -> None:
+def check_checkpoint(rules: dict[str, Rule], source: TensorSource, ignored=lambda name: False) -> None:
     """Every expected tensor present with its shape, nothing unexplained left over."""
     expected = {name: shape for r in rules.values() for name, shape in r.tensors.items()}
     available = source.names()
     missing = sorted(set(expected) - available)
-    extra = sorted(n for n in available - set(expected) if not IGNORED_CHECKPOINT_TENSORS.match(n))
+    extra = sorted(n for n in available - set(expected) if not IGNORED_CHECKPOINT_TENSORS.match(n) and not ignored(n))
     wrong = [f"{n}: checkpoint {source.shape(n)}, model expects {s}" for n, s in expected.items()
              if n in available and source.shape(n) != s]
     problems = []
@@ -241,10 +306,11 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
-def load_state(abstract_state: nnx.State, rules: dict[str, Rule], source: TensorSource, mesh: Mesh, dtype,
-               progress: bool = True) -> nnx.State:
-    """Fill an abstract model state with sharded arrays read from `source`."""
-    check_checkpoint(rules, source)
+def load_state(abstract_state: nnx.State, rules: dict[str, Rule], source: TensorSource, mesh: Mesh,
+               progress: bool = True, ignored=lambda name: False) -> nnx.State:
+    """Fill an abstract model state with sharded arrays read from `source`, each converted
+    to the dtype its parameter was declared with (the model dtype; float32 for routers)."""
+    check_checkpoint(rules, source, ignored)
     flat = list(nnx.to_flat_state(abstract_state))
     unknown = [_path_name(p) for p, _ in flat if _path_name(p) not in rules]
     if unknown:
@@ -252,7 +318,8 @@ def load_state(abstract_state: nnx.State, rules: dict[str, Rule], source: Tensor
     for path, var in tqdm(flat, desc="Loading weights", disable=not progress, unit="tensor"):
         rule, shape = rules[_path_name(path)], tuple(var.get_value().shape)
         sharding = NamedSharding(mesh, logical_spec(*var.logical_axes))
-        read = lambda index, rule=rule, shape=shape: rule.read(source, index, shape).astype(dtype)
+        target = var.get_value().dtype
+        read = lambda index, rule=rule, shape=shape, target=target: rule.read(source, index, shape).astype(target)
         var.set_value(jax.make_array_from_callback(shape, sharding, read))
     return abstract_state
 
@@ -261,7 +328,7 @@ def random_checkpoint(cfg: ModelConfig, pc: ParallelConfig, seed: int, std: floa
     """A random Hugging Face-layout state dict for a built-in tiny model (norms at 1)."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    expected = {name: shape for r in llama_rules(cfg, pc).values() for name, shape in r.tensors.items()}
+    expected = {name: shape for r in model_rules(cfg, pc).values() for name, shape in r.tensors.items()}
     for name in sorted(expected):
         if name.endswith("norm.weight") or "layernorm" in name:
             tensors[name] = np.ones(expected[name], np.float32)

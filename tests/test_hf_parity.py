@@ -28,8 +28,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tp, dcp, interleave, comm, backend", CASES)
-@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe"])
+# MLA counts as one KV head: DCP up to TP, 8 included
+MLA_CASES = [
+    (1, 1, 1, "ag_rs", "reference"),
+    (8, 8, 1, "ag_rs", "reference"),
+    (8, 8, 2, "a2a", "reference"),
+    (8, 2, 2, "ag_rs", "reference"),
+    (8, 4, 1, "a2a", "reference"),
+    (4, 4, 1, "ag_rs", "pallas"),
+    (8, 8, 1, "a2a", "pallas"),
+]
+PARAMS = [(name, *case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES] + [
+    ("deepseek-v3", *case) for case in MLA_CASES
+]
+
+
+@pytest.mark.parametrize("name, tp, dcp, interleave, comm, backend", PARAMS)
 def test_greedy_tokens_and_logprobs_match_transformers(name, tp, dcp, interleave, comm, backend):
     folder = FIXTURES / name
     expected = json.loads((folder / "expected.json").read_text())["cases"]

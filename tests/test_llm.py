@@ -8,7 +8,7 @@ from dcpjax import LLM, SamplingParams
 from dcpjax.engine import OfflineEngine, Sequence
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.tokenizer import ByteTokenizer
-from dcpjax.weights import DictSource, llama_rules, load_state, random_checkpoint
+from dcpjax.weights import DictSource, load_state, model_rules, random_checkpoint
 from dcpjax.runner import build_model
 
 PROMPTS = ["Hello", "Decode context parallelism splits the KV cache by token. " * 5, "x"]
@@ -22,7 +22,7 @@ def make(model="tiny-llama", tp=8, dcp=1, **kw):
     return LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **kw)
 
 
-@pytest.mark.parametrize("model, dcps", [("tiny-llama", (2, 4)), ("tiny-qwen3", (8,))])
+@pytest.mark.parametrize("model, dcps", [("tiny-llama", (2, 4)), ("tiny-qwen3", (8,)), ("tiny-deepseek", (2, 8))])
 def test_dcp_k_equals_dcp_1(model, dcps):
     base = make(model, dcp=1).generate(PROMPTS, GREEDY)
     for dcp in dcps:
@@ -124,6 +124,8 @@ def test_max_model_len_caps_generation():
 def test_kv_cache_capacity_grows_with_dcp():
     sizes = {dcp: make("tiny-qwen3", dcp=dcp).kv_cache_size_tokens for dcp in (1, 2, 8)}
     assert sizes[2] == 2 * sizes[1] and sizes[8] == 8 * sizes[1]
+    mla = {dcp: make("tiny-deepseek", dcp=dcp).kv_cache_size_tokens for dcp in (1, 8)}
+    assert mla[8] == 8 * mla[1]
     llama = {dcp: make(dcp=dcp).kv_cache_size_tokens for dcp in (1, 2, 4)}
     assert llama[2] == 2 * llama[1] and llama[4] == 4 * llama[1]
 
@@ -161,11 +163,11 @@ def test_bad_requests_and_configurations():
 def test_checkpoint_problems_are_named():
     cfg, pc = TINY_MODELS["tiny-llama"], dcpjax.ParallelConfig(2)
     mesh = dcpjax.make_mesh(pc)
-    rules = llama_rules(cfg, pc)
+    rules = model_rules(cfg, pc)
     good = random_checkpoint(cfg, pc, seed=0).tensors
 
     def load(tensors):
-        load_state(build_model(cfg, pc, np.float32)[1], rules, DictSource(tensors), mesh, np.float32, progress=False)
+        load_state(build_model(cfg, pc, np.float32)[1], rules, DictSource(tensors), mesh, progress=False)
 
     load(good)
     missing = dict(good)

@@ -37,7 +37,7 @@ def test_rope_frequencies_match_transformers(case, spelling):
     assert factor == pytest.approx(ROPE[case]["attention_factor"], rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe", "deepseek-v3"])
 def test_both_spellings_give_the_same_config(name):
     config = json.loads((FIXTURES / name / "config.json").read_text())
     assert ModelConfig.from_hf(config) == ModelConfig.from_hf(published_spelling(config))
@@ -50,6 +50,9 @@ def test_fixture_configs():
     assert qwen.qk_norm and qwen.rope.theta == 1e6 and qwen.num_key_value_heads == 2
     moe = ModelConfig.from_pretrained(FIXTURES / "qwen3-moe")
     assert (moe.num_experts, moe.num_experts_per_tok, moe.sparse_layers, moe.norm_topk_prob) == (8, 2, (1,), True)
+    ds = ModelConfig.from_pretrained(FIXTURES / "deepseek-v3")
+    assert ds.use_mla and ds.num_key_value_heads == 1 and ds.latent_dim == 40 and ds.sparse_layers == (1,)
+    assert (ds.rope.rope_type, ds.rope.mscale_all_dim, ds.n_group, ds.topk_group) == ("yarn", 1.0, 4, 2)
 
 
 def test_unsupported_inputs_are_named():
@@ -64,5 +67,16 @@ def test_unsupported_inputs_are_named():
     windowed.check_max_model_len(64)
     with pytest.raises(ValueError, match="sliding-window"):
         windowed.check_max_model_len(65)
+    deepseek = json.loads((FIXTURES / "deepseek-v3" / "config.json").read_text())
+    with pytest.raises(ValueError, match="only DeepSeek-V3's routing"):
+        ModelConfig.from_hf(deepseek | {"scoring_func": "softmax"})
     with pytest.raises(ValueError, match="no config.json"):
         ModelConfig.from_pretrained(FIXTURES)
+
+
+def test_mla_softmax_scale_includes_yarn_mscale():
+    from dcpjax.models.deepseek import mla_softmax_scale
+
+    ds = ModelConfig.from_pretrained(FIXTURES / "deepseek-v3")
+    mscale = 0.1 * 1.0 * np.log(4.0) + 1.0
+    assert mla_softmax_scale(ds) == pytest.approx(24**-0.5 * mscale**2)
