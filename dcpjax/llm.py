@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from dcpjax.kernels.dispatch import check_attention_backend
+from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
 from dcpjax.engine import OfflineEngine, Sequence
 from dcpjax.models.config import TINY_MODELS, ModelConfig
@@ -64,6 +65,8 @@ class LLM:
       block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
       max_num_seqs: sequences decoded together.
       max_num_batched_tokens: the longest prefill chunk (a power of two).
+      orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
+        on any mesh) instead of `model`'s safetensors or random weights.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 256,
+        orbax_checkpoint: str | None = None,
     ):
         self.parallel_config = pc = ParallelConfig(
             tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, dcp_comm_backend
@@ -96,10 +100,12 @@ class LLM:
 
         if model in TINY_MODELS:
             self.model_config = cfg = TINY_MODELS[model]
-            source, self.tokenizer = random_checkpoint(cfg, pc, seed), ByteTokenizer()
+            self.tokenizer = ByteTokenizer()
+            weights = lambda: random_checkpoint(cfg, pc, seed)
         elif (pathlib.Path(model) / "config.json").is_file():
             self.model_config = cfg = ModelConfig.from_pretrained(model)
-            source, self.tokenizer = SafetensorsSource(model), load_tokenizer(model)
+            self.tokenizer = load_tokenizer(model)
+            weights = lambda: SafetensorsSource(model)
         else:
             raise ValueError(
                 f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a folder with config.json"
@@ -112,8 +118,11 @@ class LLM:
 
         self.mesh = make_mesh(pc)
         graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
-        state = load_state(state, model_rules(cfg, pc), source, self.mesh,
-                           ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
+        if orbax_checkpoint is not None:
+            state = restore_state(state, cfg, pc, self.mesh, orbax_checkpoint)
+        else:
+            state = load_state(state, model_rules(cfg, pc), weights(), self.mesh,
+                               ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype,
                              bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization))
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
@@ -136,6 +145,11 @@ class LLM:
         )
         self.seed = seed
         self._request_ids = itertools.count()
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write the loaded weights as an orbax checkpoint, restorable onto any mesh
+        (`LLM(model, ..., orbax_checkpoint=path)`)."""
+        save_state(self.runner.state, self.model_config, self.parallel_config, path)
 
     # -- generation --------------------------------------------------------------------------
     def _to_sequence(self, prompt, params: SamplingParams, index: int) -> Sequence:
