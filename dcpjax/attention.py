@@ -283,7 +283,7 @@ def _decode_fn(
     def body(q, k, v, tables, lengths):
         out, lse = dcp_attention(
             q[:, None], k, v, lengths[:, None], pc, block_tables=tables, sm_scale=sm_scale,
-            v_head_dim=v_head_dim, attention_backend=attention_backend,
+            v_head_dim=v_head_dim, attention_backend=attention_backend, platform=mesh.devices.flat[0].platform,
         )
         return out[:, 0].astype(q.dtype), lse[:, 0]
 

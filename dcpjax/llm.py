@@ -29,20 +29,20 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 CPU_DEFAULT_KV_BYTES = 64 << 20
 
 
-def _resolve_dtype(name: str, what: str):
+def _resolve_dtype(name: str, what: str, platform: str):
     if name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
     if name not in DTYPES:
         raise ValueError(f"{what} must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
-def _kv_bytes_per_device(requested: int | None, utilization: float) -> int:
+def _kv_bytes_per_device(requested: int | None, utilization: float, device: jax.Device) -> int:
     if requested is not None:
         if requested <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
         return int(requested)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no memory statistics
         return CPU_DEFAULT_KV_BYTES
     return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
@@ -67,6 +67,7 @@ class LLM:
       max_num_batched_tokens: the longest prefill chunk (a power of two).
       orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
         on any mesh) instead of `model`'s safetensors or random weights.
+      devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
     """
 
     def __init__(
@@ -87,6 +88,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 256,
         orbax_checkpoint: str | None = None,
+        devices: Seq[jax.Device] | None = None,
     ):
         self.parallel_config = pc = ParallelConfig(
             tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, dcp_comm_backend
@@ -95,8 +97,11 @@ class LLM:
         layout.check_block_size(block_size, pc.interleave)
         if max_num_batched_tokens < 1 or max_num_batched_tokens & (max_num_batched_tokens - 1):
             raise ValueError(f"max_num_batched_tokens must be a power of two, got {max_num_batched_tokens}")
-        self.dtype = _resolve_dtype(dtype, "dtype")
-        cache_dtype = self.dtype if kv_cache_dtype == "auto" else _resolve_dtype(kv_cache_dtype, "kv_cache_dtype")
+        self.mesh = make_mesh(pc, devices)
+        device = self.mesh.devices.flat[0]
+        self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
+        cache_dtype = self.dtype if kv_cache_dtype == "auto" else _resolve_dtype(kv_cache_dtype, "kv_cache_dtype",
+                                                                                  device.platform)
 
         if model in TINY_MODELS:
             self.model_config = cfg = TINY_MODELS[model]
@@ -116,7 +121,6 @@ class LLM:
                              f"got {self.max_model_len}")
         cfg.check_max_model_len(self.max_model_len)
 
-        self.mesh = make_mesh(pc)
         graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
         if orbax_checkpoint is not None:
             state = restore_state(state, cfg, pc, self.mesh, orbax_checkpoint)
@@ -124,10 +128,10 @@ class LLM:
             state = load_state(state, model_rules(cfg, pc), weights(), self.mesh,
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype,
-                             bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization))
+                             bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, device))
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
         per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
-        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, jax.devices()[0].platform)
+        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, device.platform)
         logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)",
                     self.kv_cache_size_tokens, kv.num_blocks, block_size, pc.dcp, per_device / 2**20)
         needed = layout.blocks_needed(self.max_model_len, block_size, pc.dcp)

@@ -61,7 +61,8 @@ class ModelRunner:
                  state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto"):
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
-        self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend)
+        platform = mesh.devices.flat[0].platform
+        self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend, platform=platform)
         local_heads = kv.kv_slots // pc.kv_head_groups
 
         def zeros(dim):

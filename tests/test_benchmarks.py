@@ -34,3 +34,9 @@ def test_attention_benchmark_smoke(comm, collective):
 def test_gpu_check_dry_run_on_cpu():
     out = _run("benchmarks/gpu_check.py", "--cpu-smoke")
     assert out.count("PASS") == 4
+
+
+def test_decode_benchmark_smoke():
+    out = _run("benchmarks/decode.py", "--contexts", "64", "--steps", "4", "--batch", "2", "--dcp", "1", "2")
+    rows = [line for line in out.splitlines() if line.startswith("| 64 |")]
+    assert len(rows) == 2 and "1.00x" in rows[0]

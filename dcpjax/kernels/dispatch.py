@@ -34,12 +34,12 @@ def _pallas_fits(platform: str, k, v, block_tables, v_head_dim) -> bool:
     return False  # CPU: the interpreter is for tests, XLA's fused reference is faster
 
 
-def resolve_backend(attention_backend: str, k, block_tables, v=None, v_head_dim=None) -> str:
-    """The implementation "auto" stands for on this platform and these shapes."""
+def resolve_backend(attention_backend: str, k, block_tables, v=None, v_head_dim=None, platform: str | None = None) -> str:
+    """The implementation "auto" stands for on this platform (default: JAX's default) and these shapes."""
     check_attention_backend(attention_backend)
     if attention_backend != "auto":
         return attention_backend
-    fits = _pallas_fits(jax.default_backend(), k, v, block_tables, v_head_dim)
+    fits = _pallas_fits(platform or jax.default_backend(), k, v, block_tables, v_head_dim)
     return "pallas" if fits else "reference"
 
 
@@ -53,15 +53,20 @@ def decode_attention(
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention returning (out [batch, q_heads, dv], lse [batch, q_heads] float32).
 
     Shapes in `dcpjax.kernels.common`; `v=None` with `v_head_dim` is MLA's latent form.
+    platform: where it runs ("cpu", "gpu", "tpu"; default JAX's default backend).
     """
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim)
-    impl = decode_attention_pallas if backend == "pallas" else decode_attention_reference
-    return impl(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform)
+    if backend == "pallas":
+        return decode_attention_pallas(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
+                                       v_head_dim=v_head_dim, platform=platform)
+    return decode_attention_reference(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
+                                      v_head_dim=v_head_dim)
 
 
 def chunk_attention(
@@ -74,13 +79,17 @@ def chunk_attention(
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Several queries per sequence, each with its own causal bound (prefill chunks).
 
     q [batch, T, q_heads, dk], lengths [batch, T] -> out [batch, T, q_heads, dv],
-    lse [batch, T, q_heads] float32. KV as in `decode_attention`.
+    lse [batch, T, q_heads] float32. KV and platform as in `decode_attention`.
     """
     check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim)
-    impl = chunk_attention_pallas if backend == "pallas" else chunk_attention_reference
-    return impl(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform)
+    if backend == "pallas":
+        return chunk_attention_pallas(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
+                                      v_head_dim=v_head_dim, platform=platform)
+    return chunk_attention_reference(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
+                                     v_head_dim=v_head_dim)

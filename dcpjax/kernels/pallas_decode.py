@@ -32,8 +32,8 @@ def contiguous_page_size(seq: int, limit: int = MAX_CONTIGUOUS_PAGE) -> int:
     return page
 
 
-def default_target() -> str:
-    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+def default_target(platform: str | None = None) -> str:
+    return "tpu" if (platform or jax.default_backend()) == "tpu" else "gpu"
 
 
 def padded_rows(group: int, target: str) -> int:
@@ -54,20 +54,23 @@ def decode_attention_pallas(
     num_kv_splits: int | None = None,
     interpret: bool | None = None,
     target: str | None = None,
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas decode attention; contract in `dcpjax.kernels.common`.
 
     Args (beyond the contract):
       num_kv_splits: GPU split-K factor (default: enough programs to fill the GPU).
       interpret: run the kernel in the Pallas interpreter (default: on CPU).
-      target: "gpu" or "tpu" kernel (default: the current platform's; "gpu" on CPU).
+      target: "gpu" or "tpu" kernel (default: the platform's; "gpu" on CPU).
+      platform: where it runs (default `jax.default_backend()`).
     Returns out [batch, q_heads, dv] (q.dtype) and lse [batch, q_heads] float32.
     """
     shapes = check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
-    target = target or default_target()
+    platform = platform or jax.default_backend()
+    target = target or default_target(platform)
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
-    interpret = jax.default_backend() == "cpu" if interpret is None else bool(interpret)
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
     if not shapes.paged:  # contiguous -> pages of one sequence each, identity table
         batch, seq = k.shape[:2]
         page = contiguous_page_size(seq)
@@ -106,6 +109,7 @@ def chunk_attention_pallas(
     v_head_dim: int | None = None,
     interpret: bool | None = None,
     target: str | None = None,
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk form (q [batch, T, q_heads, dk], lengths [batch, T]) on the decode kernel.
 
@@ -123,6 +127,6 @@ def chunk_attention_pallas(
     out, lse = decode_attention_pallas(
         q.reshape(batch * queries, *q.shape[2:]), k, v, lengths.reshape(-1),
         block_tables=jnp.repeat(block_tables, queries, axis=0), sm_scale=sm_scale, v_head_dim=v_head_dim,
-        interpret=interpret, target=target,
+        interpret=interpret, target=target, platform=platform,
     )
     return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)

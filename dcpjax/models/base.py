@@ -24,6 +24,7 @@ class StepContext:
     pc: ParallelConfig
     block_size: int
     attention_backend: str = "auto"
+    platform: str = "cpu"  # of the mesh's devices: picks the attention kernel
 
 
 def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:

@@ -193,20 +193,20 @@ TINY_MODELS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=2048, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=10000.0),
     ),
     "tiny-qwen3": ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=16, qk_norm=True,
-        max_position_embeddings=2048, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=1000000.0), tie_word_embeddings=True,
     ),
     # MLA + grouped routing with a shared expert: DCP up to TP (the latent counts as one KV head)
     "tiny-deepseek": ModelConfig(
         architecture="DeepseekV3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=24,
-        max_position_embeddings=2048, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
                         mscale=1.0, mscale_all_dim=1.0),
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,

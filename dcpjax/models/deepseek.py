@@ -86,7 +86,7 @@ class MLAttention(nnx.Module):
         lengths = jnp.where(valid, positions + 1, 0)
         out_latent, _ = dcp_attention(
             q_absorbed, pool, None, lengths, ctx.pc, block_tables=block_tables, sm_scale=self.sm_scale,
-            v_head_dim=self.lora, attention_backend=ctx.attention_backend,
+            v_head_dim=self.lora, attention_backend=ctx.attention_backend, platform=ctx.platform,
         )
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])

@@ -67,7 +67,7 @@ class LlamaAttention(nnx.Module):
         lengths = jnp.where(valid, positions + 1, 0)  # causal: position p sees 0..p
         out, _ = dcp_attention(
             q, k_pool, v_pool, lengths, ctx.pc, block_tables=block_tables,
-            sm_scale=self.head_dim**-0.5, attention_backend=ctx.attention_backend,
+            sm_scale=self.head_dim**-0.5, attention_backend=ctx.attention_backend, platform=ctx.platform,
         )
         out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
         return jax.lax.psum(out, MODEL_AXES), (k_pool, v_pool)

@@ -57,6 +57,7 @@ def dcp_attention(
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
+    platform: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of this device's query heads over the DCP-split cache, merged exactly.
 
@@ -65,6 +66,7 @@ def dcp_attention(
       k, v: this rank's cache shard (paged pool with `block_tables` [B, P], or
         contiguous [B, S_local, kv_heads_local, d]).
       lengths: [B, T] global causal bounds: query t sees positions 0..lengths[b, t]-1.
+      platform: the mesh's device platform (picks the kernel; default JAX's default backend).
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
@@ -74,7 +76,7 @@ def dcp_attention(
     local_lengths = layout.local_length(lengths, rank, pc.dcp, pc.interleave)
     out, lse = chunk_attention(
         q, k, v, local_lengths, block_tables=block_tables, sm_scale=sm_scale,
-        v_head_dim=v_head_dim, attention_backend=attention_backend,
+        v_head_dim=v_head_dim, attention_backend=attention_backend, platform=platform,
     )
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
