@@ -26,6 +26,7 @@ from dcpjax.weights import SafetensorsSource, ignored_checkpoint_tensor, load_st
 
 logger = logging.getLogger("dcpjax")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
 CPU_DEFAULT_KV_BYTES = 64 << 20
 
 
@@ -60,7 +61,8 @@ class LLM:
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       kv_cache_memory_bytes: KV bytes per device (default: gpu_memory_utilization of device
         memory; 64 MiB on CPU).
-      kv_cache_dtype: "auto" (the model dtype) or a dtype name.
+      kv_cache_dtype: "auto" (the model dtype), "fp8" (e4m3 with a float32 scale per token and
+        KV head, dequantised inside the attention kernels) or a dtype name.
       attention_backend: "auto" | "pallas" | "reference".
       block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
       max_num_seqs: sequences decoded together.
@@ -100,8 +102,12 @@ class LLM:
         self.mesh = make_mesh(pc, devices)
         device = self.mesh.devices.flat[0]
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
-        cache_dtype = self.dtype if kv_cache_dtype == "auto" else _resolve_dtype(kv_cache_dtype, "kv_cache_dtype",
-                                                                                  device.platform)
+        if kv_cache_dtype == "auto":
+            cache_dtype = self.dtype
+        elif kv_cache_dtype in KV_CACHE_DTYPES:
+            cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+        else:
+            cache_dtype = _resolve_dtype(kv_cache_dtype, "kv_cache_dtype ('auto', 'fp8' or a dtype name)", device.platform)
 
         if model in TINY_MODELS:
             self.model_config = cfg = TINY_MODELS[model]

@@ -23,6 +23,8 @@ from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sharding.mesh import logical_spec
 
 KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
+KV_SCALE_SPEC = logical_spec("kv_pages", None, "kv_heads")  # fp8 scales [DCP * blocks, bs, kv_slots]
+FP8 = jnp.dtype(jnp.float8_e4m3fn)
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
 
@@ -49,11 +51,16 @@ class KVCacheLayout:
     block_size: int
     kv_slots: int  # KV heads as stored (repeated over "tp" groups when needed)
     pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), or (latent,) for MLA
-    dtype: jnp.dtype
+    dtype: jnp.dtype  # float8_e4m3fn: quantised, with a float32 scale per token and head
+
+    @property
+    def quantized(self) -> bool:
+        return jnp.dtype(self.dtype) == FP8
 
     def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
         local_heads = self.kv_slots // tp_groups
-        return num_layers * self.block_size * local_heads * sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize
+        per_token_head = sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize + (4 * len(self.pool_dims) if self.quantized else 0)
+        return num_layers * self.block_size * local_heads * per_token_head
 
 
 class ModelRunner:
@@ -65,19 +72,25 @@ class ModelRunner:
         self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend, platform=platform)
         local_heads = kv.kv_slots // pc.kv_head_groups
 
-        def zeros(dim):
+        def zeros(shape, dtype, spec):
             # Made by a shard_map like the step's outputs, so both carry the same sharding
             # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
-            make = lambda: jnp.zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype)
-            return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=KV_POOL_SPEC))()
+            make = lambda: jnp.zeros(shape, dtype)
+            return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=spec))()
 
-        self.kv_caches = tuple(tuple(zeros(d) for d in kv.pool_dims) for _ in range(cfg.num_hidden_layers))
+        def pool(dim):
+            data = zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype, KV_POOL_SPEC)
+            scales = zeros((kv.num_blocks, kv.block_size, local_heads), jnp.float32, KV_SCALE_SPEC)
+            return data, scales if kv.quantized else None
+
+        self.kv_caches = tuple(tuple(pool(d) for d in kv.pool_dims) for _ in range(cfg.num_hidden_layers))
         self._step = self._compile_step()
 
     def _compile_step(self):
         graphdef, ctx = self.graphdef, self.ctx
         replicated = PartitionSpec()
-        cache_specs = tuple((KV_POOL_SPEC,) * len(self.kv_layout.pool_dims) for _ in range(self.cfg.num_hidden_layers))
+        pool_spec = (KV_POOL_SPEC, KV_SCALE_SPEC if self.kv_layout.quantized else None)
+        cache_specs = tuple((pool_spec,) * len(self.kv_layout.pool_dims) for _ in range(self.cfg.num_hidden_layers))
 
         def body(state, kv_caches, tokens, positions, valid, last_index, block_tables):
             model = nnx.merge(graphdef, state)

@@ -38,9 +38,11 @@ MLA_CASES = [
     (4, 4, 1, "ag_rs", "pallas"),
     (8, 8, 1, "a2a", "pallas"),
 ]
-PARAMS = [(name, *case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES] + [
-    ("deepseek-v3", *case) for case in MLA_CASES
-]
+PARAMS = (
+    [(name, *case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
+    + [("qwen2", *case) for case in (CASES[0], CASES[6], CASES[7])]  # q/k/v bias, linear RoPE, tied embeddings
+    + [("deepseek-v3", *case) for case in MLA_CASES]
+)
 
 
 @pytest.mark.parametrize("name, tp, dcp, interleave, comm, backend", PARAMS)

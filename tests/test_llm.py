@@ -179,3 +179,16 @@ def test_checkpoint_problems_are_named():
     with pytest.raises(ValueError, match=r"mis-shaped tensors: model.norm.weight: checkpoint \(3,\)"):
         load(good | {"model.norm.weight": np.zeros(3)})
     load(good | {"model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8)})  # known leftovers are fine
+
+
+@pytest.mark.parametrize("model, dcp", [("tiny-llama", 4), ("tiny-deepseek", 8)])
+def test_fp8_kv_cache(model, dcp):
+    """fp8 quantises each token on its own, so DCP k gives exactly DCP 1's tokens; the cache
+    holds more tokens than a float32 one in the same bytes."""
+    fp8 = {d: make(model, dcp=d, kv_cache_dtype="fp8") for d in (1, dcp)}
+    base = fp8[1].generate(PROMPTS, GREEDY)
+    for want, got in zip(base, fp8[dcp].generate(PROMPTS, GREEDY)):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert fp8[1].kv_cache_size_tokens > 3 * make(model, dcp=1).kv_cache_size_tokens
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        make(model, kv_cache_dtype="int4")

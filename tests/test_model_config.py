@@ -37,7 +37,7 @@ def test_rope_frequencies_match_transformers(case, spelling):
     assert factor == pytest.approx(ROPE[case]["attention_factor"], rel=1e-9)
 
 
-@pytest.mark.parametrize("name", ["llama3-rope", "qwen3", "qwen3-moe", "deepseek-v3"])
+@pytest.mark.parametrize("name", ["llama3-rope", "qwen2", "qwen3", "qwen3-moe", "deepseek-v3"])
 def test_both_spellings_give_the_same_config(name):
     config = json.loads((FIXTURES / name / "config.json").read_text())
     assert ModelConfig.from_hf(config) == ModelConfig.from_hf(published_spelling(config))

@@ -24,22 +24,23 @@ def check_attention_backend(attention_backend: str) -> None:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
 
 
-def _pallas_fits(platform: str, k, v, block_tables, v_head_dim) -> bool:
+def _pallas_fits(platform: str, k, v, block_tables, v_head_dim, scaled: bool) -> bool:
     page = k.shape[1] if block_tables is not None else contiguous_page_size(k.shape[1])
     if platform == "gpu":
         return page >= 16 and page & (page - 1) == 0
     if platform == "tpu":
         dv = v_head_dim if v is None else v.shape[-1]
-        return tpu_tiling_problem(k.shape[2], k.shape[3], dv, page, v is None) is None
+        return tpu_tiling_problem(k.shape[2], k.shape[3], dv, page, v is None, scaled) is None
     return False  # CPU: the interpreter is for tests, XLA's fused reference is faster
 
 
-def resolve_backend(attention_backend: str, k, block_tables, v=None, v_head_dim=None, platform: str | None = None) -> str:
+def resolve_backend(attention_backend: str, k, block_tables, v=None, v_head_dim=None, platform: str | None = None,
+                    scaled: bool = False) -> str:
     """The implementation "auto" stands for on this platform (default: JAX's default) and these shapes."""
     check_attention_backend(attention_backend)
     if attention_backend != "auto":
         return attention_backend
-    fits = _pallas_fits(platform or jax.default_backend(), k, v, block_tables, v_head_dim)
+    fits = _pallas_fits(platform or jax.default_backend(), k, v, block_tables, v_head_dim, scaled)
     return "pallas" if fits else "reference"
 
 
@@ -54,19 +55,21 @@ def decode_attention(
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
     platform: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention returning (out [batch, q_heads, dv], lse [batch, q_heads] float32).
 
     Shapes in `dcpjax.kernels.common`; `v=None` with `v_head_dim` is MLA's latent form.
     platform: where it runs ("cpu", "gpu", "tpu"; default JAX's default backend).
+    k_scale, v_scale: per-token float32 scales of an fp8 cache (k's shape without the last dim).
     """
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform, k_scale is not None)
+    kw = dict(block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim, k_scale=k_scale, v_scale=v_scale)
     if backend == "pallas":
-        return decode_attention_pallas(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
-                                       v_head_dim=v_head_dim, platform=platform)
-    return decode_attention_reference(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
-                                      v_head_dim=v_head_dim)
+        return decode_attention_pallas(q, k, v, lengths, platform=platform, **kw)
+    return decode_attention_reference(q, k, v, lengths, **kw)
 
 
 def chunk_attention(
@@ -80,6 +83,8 @@ def chunk_attention(
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
     platform: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Several queries per sequence, each with its own causal bound (prefill chunks).
 
@@ -87,9 +92,8 @@ def chunk_attention(
     lse [batch, T, q_heads] float32. KV and platform as in `decode_attention`.
     """
     check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform)
+    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform, k_scale is not None)
+    kw = dict(block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim, k_scale=k_scale, v_scale=v_scale)
     if backend == "pallas":
-        return chunk_attention_pallas(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
-                                      v_head_dim=v_head_dim, platform=platform)
-    return chunk_attention_reference(q, k, v, lengths, block_tables=block_tables, sm_scale=sm_scale,
-                                     v_head_dim=v_head_dim)
+        return chunk_attention_pallas(q, k, v, lengths, platform=platform, **kw)
+    return chunk_attention_reference(q, k, v, lengths, **kw)

@@ -32,6 +32,15 @@ def contiguous_page_size(seq: int, limit: int = MAX_CONTIGUOUS_PAGE) -> int:
     return page
 
 
+def as_pages(x: jax.Array, page: int) -> jax.Array:
+    """Contiguous [batch, seq, ...] -> [batch * seq / page, page, ...] (a free reshape)."""
+    return x.reshape(x.shape[0] * (x.shape[1] // page), page, *x.shape[2:])
+
+
+def identity_tables(batch: int, pages_per_seq: int) -> jax.Array:
+    return jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)
+
+
 def default_target(platform: str | None = None) -> str:
     return "tpu" if (platform or jax.default_backend()) == "tpu" else "gpu"
 
@@ -55,6 +64,8 @@ def decode_attention_pallas(
     interpret: bool | None = None,
     target: str | None = None,
     platform: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pallas decode attention; contract in `dcpjax.kernels.common`.
 
@@ -63,6 +74,7 @@ def decode_attention_pallas(
       interpret: run the kernel in the Pallas interpreter (default: on CPU).
       target: "gpu" or "tpu" kernel (default: the platform's; "gpu" on CPU).
       platform: where it runs (default `jax.default_backend()`).
+      k_scale, v_scale: per-token scales of an fp8 cache (k's shape without the last dim).
     Returns out [batch, q_heads, dv] (q.dtype) and lse [batch, q_heads] float32.
     """
     shapes = check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
@@ -72,13 +84,11 @@ def decode_attention_pallas(
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     if not shapes.paged:  # contiguous -> pages of one sequence each, identity table
-        batch, seq = k.shape[:2]
-        page = contiguous_page_size(seq)
-        k = k.reshape(batch * (seq // page), page, *k.shape[2:])
-        v = None if v is None else v.reshape(batch * (seq // page), page, *v.shape[2:])
-        block_tables = jnp.arange(batch * (seq // page), dtype=jnp.int32).reshape(batch, seq // page)
+        page = contiguous_page_size(k.shape[1])
+        k, v, k_scale, v_scale = (None if x is None else as_pages(x, page) for x in (k, v, k_scale, v_scale))
+        block_tables = identity_tables(shapes.batch, k.shape[0] // shapes.batch)
     if target == "tpu" and not interpret:  # the interpreter has no tiling rules
-        problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, k.shape[1], v is None)
+        problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, k.shape[1], v is None, k_scale is not None)
         if problem:
             raise ValueError(f"the TPU Pallas kernel cannot tile these shapes: {problem}; "
                              "use attention_backend='reference' (or 'auto', which does)")
@@ -91,9 +101,10 @@ def decode_attention_pallas(
     args = (qg, k, v, lengths.astype(jnp.int32), block_tables.astype(jnp.int32))
     scale = default_sm_scale(dk, sm_scale)
     if target == "tpu":
-        out, lse = paged_decode_tpu(*args, sm_scale=scale, dv=dv, interpret=interpret)
+        out, lse = paged_decode_tpu(*args, k_scale, v_scale, sm_scale=scale, dv=dv, interpret=interpret)
     else:
-        out, lse = paged_decode_gpu(*args, sm_scale=scale, dv=dv, num_splits=num_kv_splits, interpret=interpret)
+        out, lse = paged_decode_gpu(*args, k_scale, v_scale, sm_scale=scale, dv=dv, num_splits=num_kv_splits,
+                                    interpret=interpret)
     out = out[:, :, :group].reshape(batch, shapes.q_heads, dv).astype(q.dtype)
     return out, lse[:, :, :group].reshape(batch, shapes.q_heads)
 
@@ -110,6 +121,8 @@ def chunk_attention_pallas(
     interpret: bool | None = None,
     target: str | None = None,
     platform: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The chunk form (q [batch, T, q_heads, dk], lengths [batch, T]) on the decode kernel.
 
@@ -119,14 +132,12 @@ def chunk_attention_pallas(
     shapes = check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
     batch, queries = q.shape[:2]
     if not shapes.paged:
-        seq = k.shape[1]
-        page = contiguous_page_size(seq)
-        k = k.reshape(batch * (seq // page), page, *k.shape[2:])
-        v = None if v is None else v.reshape(batch * (seq // page), page, *v.shape[2:])
-        block_tables = jnp.arange(batch * (seq // page), dtype=jnp.int32).reshape(batch, seq // page)
+        page = contiguous_page_size(k.shape[1])
+        k, v, k_scale, v_scale = (None if x is None else as_pages(x, page) for x in (k, v, k_scale, v_scale))
+        block_tables = identity_tables(batch, k.shape[0] // batch)
     out, lse = decode_attention_pallas(
         q.reshape(batch * queries, *q.shape[2:]), k, v, lengths.reshape(-1),
         block_tables=jnp.repeat(block_tables, queries, axis=0), sm_scale=sm_scale, v_head_dim=v_head_dim,
-        interpret=interpret, target=target, platform=platform,
+        interpret=interpret, target=target, platform=platform, k_scale=k_scale, v_scale=v_scale,
     )
     return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)

@@ -40,11 +40,13 @@ def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -
 
 
 def _gpu_kernel(
-    lengths_ref, tables_ref, q_ref, k_ref, v_ref, out_ref, lse_ref,
-    *, sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k,
+    lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+    sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled,
 ):
     """q_ref [rows, dk]; k_ref [N, bs, Hkv, dk]; v_ref [N, bs, Hkv, dv] (unused if v_from_k);
+    if scaled (fp8 cache): ks_ref, vs_ref [N, bs, Hkv] per-token dequantisation scales;
     tables_ref [B, P]; lengths_ref [B]; out_ref [rows, dv] f32; lse_ref [rows] f32."""
+    (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length = lengths_ref[seq]
     first_page = split * pages_per_split
@@ -56,8 +58,10 @@ def _gpu_kernel(
         row_max, row_sum, accs = carry
         page_index = first_page + i
         page = tables_ref[seq, page_index]
-        k_parts = [k_ref[page, :, head, pl.ds(start, width)] for start, width in k_chunks]  # [bs, w]
+        k_parts = [k_ref[page, :, head, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in k_chunks]
         scores = sum(dot_f32(qp, kp, 1) for qp, kp in zip(q_parts, k_parts)) * sm_scale  # [rows, bs]
+        if scaled:  # per-token scales fold into the scores and the probabilities
+            scores = scores * ks_ref[page, :, head][None, :]
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where(positions < length, scores, -jnp.inf)
         # Only pages holding >= 1 valid token are visited, so new_max is finite.
@@ -68,9 +72,10 @@ def _gpu_kernel(
         if v_from_k:
             v_parts = k_parts[: len(v_chunks)]
         else:
-            v_parts = [v_ref[page, :, head, pl.ds(start, width)] for start, width in v_chunks]
+            v_parts = [v_ref[page, :, head, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in v_chunks]
+        weighted = probs * vs_ref[page, :, head][None, :] if scaled else probs
         accs = tuple(
-            acc * rescale[:, None] + dot_f32(probs.astype(vp.dtype), vp, 0) for acc, vp in zip(accs, v_parts)
+            acc * rescale[:, None] + dot_f32(weighted.astype(vp.dtype), vp, 0) for acc, vp in zip(accs, v_parts)
         )
         return new_max, row_sum, accs
 
@@ -88,13 +93,14 @@ def _gpu_kernel(
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret"))
-def paged_decode_gpu(qg, k, v, lengths, block_tables, *, sm_scale: float, dv: int, num_splits: int | None,
-                     interpret: bool = False):
+def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
+                     num_splits: int | None, interpret: bool = False):
     """Split-K decode over pages.
 
     Args:
       qg: [batch, kv_heads, rows, dk] query heads grouped by KV head (rows padded).
       k: [num_blocks, block_size, kv_heads, dk]; v: [..., dv] or None (V = K[..., :dv]).
+      k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 for an fp8 cache (else None).
       lengths: [batch] int32; block_tables: [batch, pages] int32.
     Returns out [batch, kv_heads, rows, dv] f32 and lse [batch, kv_heads, rows] f32.
     """
@@ -107,9 +113,11 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, *, sm_scale: float, dv: in
     values = k if v is None else v
 
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+    scaled = k_scale is not None
+    scales = [k_scale, k_scale if v_scale is None else v_scale] if scaled else []
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, block_size=block_size, pages_per_split=pages_per_split,
-        k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k,
+        k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled,
     )
     compiler_params = None
     if not interpret:  # Triton, not Mosaic GPU: it lowers this kernel on jax 0.10 - 0.12 alike
@@ -125,7 +133,7 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, *, sm_scale: float, dv: in
             pl.BlockSpec((None, None, rows, dk), lambda b, h, s: (b, h, 0, 0)),
             whole(k.shape),
             whole(values.shape),
-        ],
+        ] + [whole(x.shape) for x in scales],
         out_specs=[
             pl.BlockSpec((None, None, None, rows, dv), lambda b, h, s: (b, h, s, 0, 0)),
             pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
@@ -137,5 +145,5 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, *, sm_scale: float, dv: in
         interpret=interpret,
         compiler_params=compiler_params,
         name="dcpjax_decode_attention_gpu",
-    )(lengths, block_tables, qg, k, values)
+    )(lengths, block_tables, qg, k, values, *scales)
     return merge_partials(partial_out, partial_lse, axis=2)

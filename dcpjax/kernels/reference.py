@@ -27,18 +27,24 @@ def chunk_attention_reference(
     block_tables: jax.Array | None = None,
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Several queries per sequence, each with its own causal bound, over cached KV.
 
     q [batch, T, q_heads, dk]; lengths [batch, T]: query t sees tokens 0..lengths[b, t]-1.
+    k_scale, v_scale: per-token scales (k's shape without the last dim) of an fp8 cache.
     Returns out [batch, T, q_heads, dv] (q.dtype) and lse [batch, T, q_heads] float32.
     The pages of a sequence are gathered once for all its T queries.
     """
     shapes = check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
     scale = default_sm_scale(shapes.dk, sm_scale)
-    if shapes.paged:
-        k = gather_pages(k, block_tables)
-        v = None if v is None else gather_pages(v, block_tables)
+    gather = (lambda x: gather_pages(x, block_tables)) if shapes.paged else (lambda x: x)
+    k, v = gather(k), None if v is None else gather(v)
+    if k_scale is not None:  # fp8: dequantise (V of MLA is K's latent, already scaled)
+        k = k.astype(jnp.float32) * gather(k_scale)[..., None]
+        if v is not None:
+            v = v.astype(jnp.float32) * gather(v_scale)[..., None]
     values = value_view(k, v, shapes.dv)  # [B, S, Hkv, dv]
     batch, seq, queries = k.shape[0], k.shape[1], q.shape[1]
     qg = q.reshape(batch, queries, shapes.kv_heads, shapes.group, shapes.dk)
@@ -64,6 +70,8 @@ def decode_attention_reference(
     block_tables: jax.Array | None = None,
     sm_scale: float | None = None,
     v_head_dim: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Decode attention of one query token per sequence over its cached KV.
 
@@ -71,6 +79,7 @@ def decode_attention_reference(
     """
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
     out, lse = chunk_attention_reference(
-        q[:, None], k, v, lengths[:, None], block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim
+        q[:, None], k, v, lengths[:, None], block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim,
+        k_scale=k_scale, v_scale=v_scale,
     )
     return out[:, 0], lse[:, 0]

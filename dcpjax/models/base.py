@@ -69,8 +69,9 @@ class CausalLM(nnx.Module):
         Args:
           tokens, positions, valid: [B, T] (padding has valid False).
           last_index: [B] the chunk index whose next-token logits are wanted.
-          kv_caches: per layer, a tuple of this rank's KV pools [num_blocks, bs, kv_local, d]
-            ((k, v) for GQA, (latent,) for MLA).
+          kv_caches: per layer, a tuple of this rank's KV pools ((k, v) for GQA, (latent,) for
+            MLA), each (pages [num_blocks, bs, kv_local, d], fp8 scales [num_blocks, bs, kv_local]
+            or None).
           block_tables: [B, P] shared by all ranks.
         Returns:
           logits [B, vocab] float32 (replicated) and the updated kv_caches.

@@ -23,7 +23,7 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.base import CausalLM, DecoderLayer, StepContext
 from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
-from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
+from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_pool
 from dcpjax.sharding.mesh import MODEL_AXES
 
 
@@ -64,7 +64,8 @@ class MLAttention(nnx.Module):
         return apply_rope(x, positions, self.inv_freq, self.rope_factor)
 
     def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        """x [B, T, hidden]; kv = (latent_pool,) this rank's pages [blocks, bs, 1, lora + rope]."""
+        """x [B, T, hidden]; kv = (latent_pool,), the pool (pages [blocks, bs, 1, lora + rope],
+        fp8 scales [blocks, bs, 1] or None) of this rank."""
         if self.q_lora:
             q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
         else:
@@ -79,14 +80,15 @@ class MLAttention(nnx.Module):
         (pool,) = kv
         batch, chunk = positions.shape
         slots = owned_slots(positions, ctx.pc, block_tables=block_tables, block_size=ctx.block_size, valid=valid)
-        new = jnp.broadcast_to(latent[:, :, None], (batch, chunk, pool.shape[2], latent.shape[-1]))
-        pool = write_tokens(pool, new.reshape(batch * chunk, *new.shape[2:]), slots.reshape(-1), paged=True)
+        new = jnp.broadcast_to(latent[:, :, None], (batch, chunk, pool[0].shape[2], latent.shape[-1]))
+        pool = write_pool(pool, new.reshape(batch * chunk, *new.shape[2:]), slots.reshape(-1))
 
         q_absorbed = jnp.concatenate([jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...]), q_rope], axis=-1)
         lengths = jnp.where(valid, positions + 1, 0)
         out_latent, _ = dcp_attention(
-            q_absorbed, pool, None, lengths, ctx.pc, block_tables=block_tables, sm_scale=self.sm_scale,
-            v_head_dim=self.lora, attention_backend=ctx.attention_backend, platform=ctx.platform,
+            q_absorbed, pool[0], None, lengths, ctx.pc, block_tables=block_tables, k_scale=pool[1],
+            sm_scale=self.sm_scale, v_head_dim=self.lora, attention_backend=ctx.attention_backend,
+            platform=ctx.platform,
         )
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])

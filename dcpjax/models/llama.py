@@ -20,7 +20,7 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.base import CausalLM, DecoderLayer, StepContext, kv_head_slots
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
-from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
+from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_pool
 from dcpjax.sharding.mesh import MODEL_AXES
 
 
@@ -43,7 +43,8 @@ class LlamaAttention(nnx.Module):
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
 
     def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        """x [B, T, hidden]; positions, valid [B, T]; kv = (k_pool, v_pool) this rank's pages.
+        """x [B, T, hidden]; positions, valid [B, T]; kv = (k_pool, v_pool), each (pages, fp8 scales
+        or None) of this rank: pages [blocks, bs, kv_local, d], scales [blocks, bs, kv_local].
 
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """
@@ -61,13 +62,14 @@ class LlamaAttention(nnx.Module):
         batch, chunk = positions.shape
         slots = owned_slots(positions, ctx.pc, block_tables=block_tables, block_size=ctx.block_size, valid=valid)
         slots = slots.reshape(-1)
-        k_pool = write_tokens(k_pool, k.reshape(batch * chunk, *k.shape[2:]), slots, paged=True)
-        v_pool = write_tokens(v_pool, v.reshape(batch * chunk, *v.shape[2:]), slots, paged=True)
+        k_pool = write_pool(k_pool, k.reshape(batch * chunk, *k.shape[2:]), slots)
+        v_pool = write_pool(v_pool, v.reshape(batch * chunk, *v.shape[2:]), slots)
 
         lengths = jnp.where(valid, positions + 1, 0)  # causal: position p sees 0..p
         out, _ = dcp_attention(
-            q, k_pool, v_pool, lengths, ctx.pc, block_tables=block_tables,
-            sm_scale=self.head_dim**-0.5, attention_backend=ctx.attention_backend, platform=ctx.platform,
+            q, k_pool[0], v_pool[0], lengths, ctx.pc, block_tables=block_tables, k_scale=k_pool[1],
+            v_scale=v_pool[1], sm_scale=self.head_dim**-0.5, attention_backend=ctx.attention_backend,
+            platform=ctx.platform,
         )
         out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
         return jax.lax.psum(out, MODEL_AXES), (k_pool, v_pool)

@@ -46,6 +46,26 @@ def write_tokens(pool: jax.Array, new: jax.Array, slots: jax.Array, paged: bool)
     return pool.at[jnp.arange(pool.shape[0]), slots].set(new.astype(pool.dtype), mode="drop")
 
 
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., d] -> (e4m3 values [..., d], float32 scales [...]): one scale per token and head."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return (x.astype(jnp.float32) / scale[..., None]).astype(FP8), scale
+
+
+def write_pool(pool: tuple[jax.Array, jax.Array | None], new: jax.Array, slots: jax.Array):
+    """Store new tokens [N, H, d] into a paged pool (data, scales); an fp8 pool quantises them."""
+    data, scales = pool
+    if scales is None:
+        return write_tokens(data, new, slots, paged=True), None
+    values, token_scales = quantize_fp8(new)
+    return write_tokens(data, values, slots, paged=True), write_tokens(scales, token_scales, slots, paged=True)
+
+
 def dcp_attention(
     q: jax.Array,
     k: jax.Array,
@@ -58,6 +78,8 @@ def dcp_attention(
     v_head_dim: int | None = None,
     attention_backend: str = "auto",
     platform: str | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of this device's query heads over the DCP-split cache, merged exactly.
 
@@ -67,6 +89,7 @@ def dcp_attention(
         contiguous [B, S_local, kv_heads_local, d]).
       lengths: [B, T] global causal bounds: query t sees positions 0..lengths[b, t]-1.
       platform: the mesh's device platform (picks the kernel; default JAX's default backend).
+      k_scale, v_scale: per-token scales of an fp8 cache (the pools' shapes without the last dim).
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
@@ -76,7 +99,7 @@ def dcp_attention(
     local_lengths = layout.local_length(lengths, rank, pc.dcp, pc.interleave)
     out, lse = chunk_attention(
         q, k, v, local_lengths, block_tables=block_tables, sm_scale=sm_scale,
-        v_head_dim=v_head_dim, attention_backend=attention_backend, platform=platform,
+        v_head_dim=v_head_dim, attention_backend=attention_backend, platform=platform, k_scale=k_scale, v_scale=v_scale,
     )
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
