@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 
 from dcpjax.kernels.common import check_chunk_args, check_decode_args
-from dcpjax.kernels.pallas_decode import chunk_attention_pallas, contiguous_page_size, decode_attention_pallas
+from dcpjax.kernels.pallas_decode import chunk_attention_pallas, contiguous_page_size
 from dcpjax.kernels.pallas_tpu import tpu_tiling_problem
-from dcpjax.kernels.reference import chunk_attention_reference, decode_attention_reference
+from dcpjax.kernels.reference import chunk_attention_reference
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 
@@ -65,11 +65,11 @@ def decode_attention(
     k_scale, v_scale: per-token float32 scales of an fp8 cache (k's shape without the last dim).
     """
     check_decode_args(q, k, v, lengths, block_tables, v_head_dim)
-    backend = resolve_backend(attention_backend, k, block_tables, v, v_head_dim, platform, k_scale is not None)
-    kw = dict(block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim, k_scale=k_scale, v_scale=v_scale)
-    if backend == "pallas":
-        return decode_attention_pallas(q, k, v, lengths, platform=platform, **kw)
-    return decode_attention_reference(q, k, v, lengths, **kw)
+    out, lse = chunk_attention(
+        q[:, None], k, v, lengths[:, None], block_tables=block_tables, sm_scale=sm_scale, v_head_dim=v_head_dim,
+        attention_backend=attention_backend, platform=platform, k_scale=k_scale, v_scale=v_scale,
+    )
+    return out[:, 0], lse[:, 0]
 
 
 def chunk_attention(
