@@ -1,16 +1,23 @@
-"""Offline generation over the paged DCP cache: block allocation, chunked prefill, decode.
+"""Continuous batching over the paged DCP cache.
 
-Requests run in waves: a wave takes, first come first served, the requests whose
-blocks fit; it prefills their prompts in chunks (all sequences of the wave side
-by side, ragged), then decodes one token per step until every sequence stops.
-Block ids are shared by all DCP ranks (each rank holds its tokens of a block),
-so one allocator serves the replica. Shapes are bucketed (batch to a power of
-two, chunk to a power of two <= max chunk, block-table width fixed by
+Every step the scheduler fills one batch, first come first served:
+  1. running sequences, each with its next chunk (one token when decoding, up to the
+     token budget while prefilling), growing its KV blocks as it goes; when the cache
+     is full, the most recently admitted running sequence is preempted (its blocks
+     freed; it goes back to the head of the queue and later recomputes its prompt and
+     the tokens it already generated, so no request is lost and its outputs are the
+     same as if it had run alone);
+  2. waiting sequences, while rows, tokens and blocks remain.
+Prefill chunks and decode tokens share the step (rows are ragged). A row samples
+when its chunk reaches the last known token. Block ids are shared by all DCP ranks
+(each rank holds its tokens of a block), so one allocator serves the replica.
+Shapes are bucketed (rows and chunk to powers of two, block-table width fixed by
 max_model_len), so sequences grow without recompiling.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 
@@ -56,95 +63,178 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
     cumulative_logprob: float = 0.0
     blocks: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
+    num_computed: int = 0  # tokens whose KV is in the cache
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     text: str | None = None
+    preemptions: int = 0
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_input(self) -> list[int]:
+        """Known tokens whose KV is not cached yet (the prompt, or the last sampled token)."""
+        known = self.prompt_ids + self.output_ids
+        return known[self.num_computed :]
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class OfflineEngine:
+@dataclasses.dataclass
+class StepStats:
+    scheduled: int = 0
+    tokens: int = 0
+    preempted: int = 0
+    finished: list = dataclasses.field(default_factory=list)
+
+
+class Engine:
+    """Schedules sequences onto the model runner, one step at a time."""
+
     def __init__(self, runner, tokenizer, eos_token_ids, *, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_chunk: int):
+                 max_num_seqs: int, max_num_batched_tokens: int):
         self.runner, self.tokenizer, self.eos = runner, tokenizer, frozenset(eos_token_ids)
         self.block_size, self.max_model_len = block_size, max_model_len
-        self.max_num_seqs, self.max_chunk = max_num_seqs, max_chunk
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.dcp = runner.pc.dcp
         self.blocks_per_seq = layout.blocks_needed(max_model_len, block_size, self.dcp)
         self.allocator = BlockAllocator(runner.kv_layout.num_blocks)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
         self._sample = jax.jit(sample, static_argnames=("num_top",))
 
-    def blocks_for(self, seq: Sequence) -> int:
-        return layout.blocks_needed(seq.max_total, self.block_size, self.dcp)
+    # -- requests --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
 
-    def run(self, sequences: list[Sequence]) -> None:
-        pending = list(sequences)
-        while pending:
-            wave = []
-            while pending and len(wave) < self.max_num_seqs and self.blocks_for(pending[0]) <= self.allocator.num_free:
-                seq = pending.pop(0)
-                seq.blocks = self.allocator.allocate(self.blocks_for(seq))
-                wave.append(seq)
-            if not wave:
-                raise RuntimeError("a request needs more KV blocks than the whole cache holds")  # checked earlier
-            try:
-                self._run_wave(wave)
-            finally:
-                for seq in wave:
-                    self.allocator.free(seq.blocks)
-                    seq.blocks = []
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is not queued or running."""
+        for queue in (self.waiting, self.running):
+            for seq in list(queue):
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._release(seq)
+                    seq.finish_reason = "abort"
+                    return True
+        return False
 
-    # -- one wave ----------------------------------------------------------------------
-    def _tables(self, wave, batch):
-        tables = np.zeros((batch, self.blocks_per_seq), np.int32)
-        for i, seq in enumerate(wave):
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
+
+    # -- scheduling ------------------------------------------------------------------------
+    def _blocks_for(self, tokens: int) -> int:
+        return layout.blocks_needed(tokens, self.block_size, self.dcp)
+
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        extra = self._blocks_for(tokens) - len(seq.blocks)
+        if extra > self.allocator.num_free:
+            return False
+        if extra > 0:
+            seq.blocks += self.allocator.allocate(extra)
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _schedule(self, stats: StepStats) -> list[tuple[Sequence, int]]:
+        """(sequence, tokens to feed) for this step."""
+        batch, budget = [], self.token_budget
+        for seq in list(self.running):
+            if seq not in self.running:
+                continue  # preempted below to make room for an earlier sequence
+            want = min(len(seq.next_input()), budget)
+            if want <= 0:
+                break
+            while not self._grow(seq, seq.num_computed + want):
+                victim = self.running[-1]
+                self._preempt(victim)
+                stats.preempted += 1
+                if victim is seq:
+                    break
+            if seq in self.running:
+                batch.append((seq, want))
+                budget -= want
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            want = min(len(seq.next_input()), budget)
+            if not self._grow(seq, seq.num_computed + want):
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            batch.append((seq, want))
+            budget -= want
+        return batch
+
+    # -- one step --------------------------------------------------------------------------
+    def step(self) -> StepStats:
+        """Schedule, run the model once, sample, and retire finished sequences."""
+        stats = StepStats()
+        batch = self._schedule(stats)
+        if not batch:
+            if self.waiting and not self.running:
+                raise RuntimeError("the first waiting request does not fit in an empty KV cache")
+            return stats
+        rows = _pow2_at_least(len(batch))
+        chunk = _pow2_at_least(max(n for _, n in batch))
+        tokens = np.zeros((rows, chunk), np.int32)
+        positions = np.zeros((rows, chunk), np.int32)
+        valid = np.zeros((rows, chunk), bool)
+        last = np.zeros((rows,), np.int32)
+        tables = np.zeros((rows, self.blocks_per_seq), np.int32)
+        sampling = []
+        for i, (seq, n) in enumerate(batch):
+            piece = seq.next_input()[:n]
+            tokens[i, :n] = piece
+            positions[i] = seq.num_computed + np.arange(chunk)
+            valid[i, :n] = True
+            last[i] = n - 1
             tables[i, : len(seq.blocks)] = seq.blocks
-        return tables
+            seq.num_computed += n
+            if seq.num_computed == seq.length:  # reached the last known token: sample the next
+                sampling.append(i)
+        logits = self.runner.step(tokens, positions, valid, last, tables)
+        if sampling:
+            self._sample_into([seq for seq, _ in batch], logits, sampling)
+        for seq, _ in batch:
+            if seq.finished:
+                self.running.remove(seq)
+                self._release(seq)
+                stats.finished.append(seq)
+        stats.scheduled, stats.tokens = len(batch), sum(n for _, n in batch)
+        return stats
 
-    def _run_wave(self, wave: list[Sequence]) -> None:
-        batch = _pow2_at_least(len(wave))
-        tables = self._tables(wave, batch)
-        longest = max(len(s.prompt_ids) for s in wave)
-        chunk = min(self.max_chunk, max(16, _pow2_at_least(longest)))
-        for start in range(0, longest, chunk):
-            tokens = np.zeros((batch, chunk), np.int32)
-            positions = np.zeros((batch, chunk), np.int32)
-            valid = np.zeros((batch, chunk), bool)
-            last = np.zeros((batch,), np.int32)
-            ending = []
-            for i, seq in enumerate(wave):
-                piece = seq.prompt_ids[start : start + chunk]
-                tokens[i, : len(piece)] = piece
-                positions[i] = start + np.arange(chunk)
-                valid[i, : len(piece)] = True
-                if start <= len(seq.prompt_ids) - 1 < start + chunk:
-                    last[i] = len(seq.prompt_ids) - 1 - start
-                    ending.append(i)
-            logits = self.runner.step(tokens, positions, valid, last, tables)
-            if ending:
-                self._sample_into(wave, logits, ending)
-        while True:
-            active = [i for i, s in enumerate(wave) if s.finish_reason is None]
-            if not active:
-                return
-            tokens = np.zeros((batch, 1), np.int32)
-            positions = np.zeros((batch, 1), np.int32)
-            valid = np.zeros((batch, 1), bool)
-            for i in active:
-                seq = wave[i]
-                tokens[i, 0] = seq.output_ids[-1]
-                positions[i, 0] = seq.length - 1
-                valid[i, 0] = True
-            logits = self.runner.step(tokens, positions, valid, np.zeros((batch,), np.int32), tables)
-            self._sample_into(wave, logits, active)
+    def run(self, sequences: list[Sequence], on_finish=None) -> None:
+        """Add the sequences and step until the engine is idle (offline generation)."""
+        for seq in sequences:
+            self.add(seq)
+        while self.has_work():
+            for seq in self.step().finished:
+                if on_finish is not None:
+                    on_finish(seq)
 
-    def _sample_into(self, wave, logits, rows: list[int]) -> None:
+    def _sample_into(self, seqs, logits, rows: list[int]) -> None:
         batch = logits.shape[0]
         temperature = np.zeros(batch, np.float32)
         top_k = np.zeros(batch, np.int32)
@@ -154,15 +244,15 @@ class OfflineEngine:
         counters = np.zeros(batch, np.int32)
         num_top = 0
         for i in rows:
-            p = wave[i].params
+            p = seqs[i].params
             temperature[i], top_k[i], top_p[i], min_p[i] = p.temperature, max(p.top_k, 0), p.top_p, p.min_p
-            seeds[i], counters[i] = wave[i].seed % 2**32, len(wave[i].output_ids)
+            seeds[i], counters[i] = seqs[i].seed % 2**32, len(seqs[i].output_ids)
             num_top = max(num_top, p.logprobs or 0)
         result = jax.device_get(self._sample(
             logits, temperature, top_k, top_p, min_p, seeds, counters, num_top=max(1, _pow2_at_least(num_top)),
         ))
         for i in rows:
-            self._append(wave[i], result, i)
+            self._append(seqs[i], result, i)
 
     def _append(self, seq: Sequence, result, row: int) -> None:
         token = int(result.tokens[row])

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from dcpjax.kernels.dispatch import check_attention_backend
 from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
-from dcpjax.engine import OfflineEngine, Sequence
+from dcpjax.engine import Engine, Sequence
 from dcpjax.models.config import TINY_MODELS, ModelConfig
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import ModelRunner, build_model, kv_cache_layout
@@ -65,8 +65,8 @@ class LLM:
         KV head, dequantised inside the attention kernels) or a dtype name.
       attention_backend: "auto" | "pallas" | "reference".
       block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
-      max_num_seqs: sequences decoded together.
-      max_num_batched_tokens: the longest prefill chunk (a power of two).
+      max_num_seqs: sequences running together.
+      max_num_batched_tokens: tokens per step (prefill chunks and decode tokens together; a power of two).
       orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
         on any mesh) instead of `model`'s safetensors or random weights.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
@@ -149,9 +149,9 @@ class LLM:
         self.runner = ModelRunner(cfg, pc, self.mesh, graphdef, state, kv, attention_backend)
         eos = set(cfg.eos_token_id) | ({self.tokenizer.eos_token_id} if self.tokenizer is not None
                                        and self.tokenizer.eos_token_id is not None else set())
-        self.engine = OfflineEngine(
+        self.engine = Engine(
             self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, max_chunk=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         )
         self.seed = seed
         self._request_ids = itertools.count()
@@ -203,6 +203,6 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         sequences = [self._to_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm):
-            self.engine.run(sequences)
+        with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm) as bar:
+            self.engine.run(sequences, on_finish=lambda seq: bar.update())
         return [self.engine.output(seq) for seq in sequences]

@@ -5,7 +5,7 @@ import pytest
 
 import dcpjax
 from dcpjax import LLM, SamplingParams
-from dcpjax.engine import OfflineEngine, Sequence
+from dcpjax.engine import Engine, Sequence
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.tokenizer import ByteTokenizer
 from dcpjax.weights import DictSource, load_state, model_rules, random_checkpoint
@@ -54,8 +54,12 @@ def test_no_recompilation_as_sequences_grow():
     llm.generate(["a" * 10, "b" * 40], SamplingParams(temperature=0, max_tokens=5))
     compiled = llm.runner.compiled_step_count
     assert compiled == 2  # one prefill chunk shape, one decode shape
-    llm.generate(["c" * 30, "d" * 61], SamplingParams(temperature=0, max_tokens=40))
+    # the same shapes, much longer sequences: positions and lengths are data, not compile keys
+    llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert llm.runner.compiled_step_count == compiled
+    # any mix stays within the buckets: rows and chunk are powers of two
+    llm.generate(["e" * n for n in (3, 30, 61, 7, 19)], SamplingParams(temperature=0, max_tokens=9))
+    assert llm.runner.compiled_step_count <= 4 * 7  # rows in {1, 2, 4, 8}, chunk in {1, ..., 64}
 
 
 def test_sampling_controls():
@@ -100,8 +104,8 @@ def _engine_for_stops():
         pc = dcpjax.ParallelConfig()
         kv_layout = type("L", (), {"num_blocks": 4})()
 
-    return OfflineEngine(Runner(), ByteTokenizer(), {BYTE_EOS}, block_size=4, max_model_len=64, max_num_seqs=4,
-                         max_chunk=16)
+    return Engine(Runner(), ByteTokenizer(), {BYTE_EOS}, block_size=4, max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=16)
 
 
 @pytest.mark.parametrize("ignore_eos, reason", [(False, "stop"), (True, None)])
