@@ -162,7 +162,7 @@ class LLM:
         save_state(self.runner.state, self.model_config, self.parallel_config, path)
 
     # -- generation --------------------------------------------------------------------------
-    def _to_sequence(self, prompt, params: SamplingParams, index: int) -> Sequence:
+    def _to_sequence(self, prompt, params: SamplingParams, index: int, request_id: str | None = None) -> Sequence:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]}")
@@ -183,7 +183,7 @@ class LLM:
         request = next(self._request_ids)
         seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + request) % 2**32
         return Sequence(
-            request_id=str(request), prompt=text, prompt_ids=ids, params=params,
+            request_id=request_id or str(request), prompt=text, prompt_ids=ids, params=params,
             max_total=min(len(ids) + budget, self.max_model_len), seed=seed,
         )
 

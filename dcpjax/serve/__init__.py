@@ -1,0 +1,1 @@
+"""OpenAI-compatible server: `python -m dcpjax.serve`."""

@@ -1,0 +1,36 @@
+"""Prometheus metrics, vLLM's names under the `dcpjax:` prefix."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(f"dcpjax:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(f"dcpjax:{name}", doc, list(labels), registry=self.registry).labels(**labels)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"dcpjax:{name}", doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+
+        latency = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", latency)
+        self.time_per_output_token = histogram("time_per_output_token_seconds", "Mean time per output token "
+                                               "after the first, per request.", latency)
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+
+    def update(self, engine) -> None:
+        self.kv_cache_usage.set(engine.kv_usage)
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))

@@ -1,0 +1,165 @@
+"""The OpenAI-compatible server in a subprocess on 127.0.0.1, driven by the official client.
+
+Tiny model, 8 fake CPU devices, TP 8, DCP 2, and a KV cache of 24 blocks (768 tokens), so
+64 concurrent requests oversubscribe it and preemption must happen.
+"""
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+API_KEY = "test-key"
+MODEL = "tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dcpjax.serve", "--num-cpu-devices", "8", "-tp", "8", "-dcp", "2",
+         "--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory-bytes", str(24 * 4096),
+         "--max-model-len", "128", "--max-num-batched-tokens", "128", "--api-key", API_KEY,
+         "--max-request-bytes", "100000"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{base}/health", timeout=1)
+            break
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(proc.stdout.read())
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0)
+
+
+def metric(server, name) -> float:
+    text = httpx.get(f"{server}/metrics").text
+    match = re.search(rf"^dcpjax:{name}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1))
+
+
+def test_models_and_completion(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 8
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+
+
+def test_streamed_text_equals_non_streamed(client):
+    kw = dict(model=MODEL, prompt="Stream me", max_tokens=20, temperature=0)
+    whole = client.completions.create(**kw).choices[0].text
+    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(stream=True, **kw))
+    assert streamed == whole
+    chat_kw = dict(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**chat_kw).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **chat_kw))
+    assert streamed == whole
+
+
+def test_64_concurrent_requests_oversubscribe_and_match_solo_runs(server, client):
+    prompts = [f"req {i} " + "x" * (i % 23) for i in range(64)]
+    kw = dict(model=MODEL, max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    preempted_before = metric(server, "num_preemptions")
+
+    async def run_all():
+        async_client = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=600)
+        return await asyncio.gather(*(async_client.completions.create(prompt=p, **kw) for p in prompts))
+
+    together = asyncio.run(run_all())
+    assert metric(server, "num_preemptions") > preempted_before
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [r.choices[0].text for r in together] == [r.choices[0].text for r in alone]
+    assert all(r.usage.completion_tokens == 24 for r in together)
+    assert metric(server, "kv_cache_usage_perc") == 0.0
+
+
+def test_client_disconnect_frees_blocks(server):
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 120, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i > 3:
+                break  # hang up mid-stream
+    deadline = time.time() + 30
+    while time.time() < deadline and (metric(server, "kv_cache_usage_perc") > 0 or
+                                      metric(server, "num_requests_running") > 0):
+        time.sleep(0.2)
+    assert metric(server, "kv_cache_usage_perc") == 0.0 and metric(server, "num_requests_running") == 0.0
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ("{not json", 400, "JSON"),
+        ({"prompt": "hi"}, 400, "model"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
+        ({"model": MODEL, "prompt": "y" * 300}, 400, "max_model_len"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
+        ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k"),
+        ({"model": MODEL, "prompt": "hi", "min_p": 3}, 400, "min_p"),
+        ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n must be 1"),
+        ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "outside"),
+        ({"model": MODEL, "prompt": "z" * 200000}, 413, "over"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{server}/v1/completions", content=content, timeout=30,
+                          headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["type"] and error["code"]
+
+
+def test_wrong_api_key_is_401_and_server_still_serves(server, client):
+    bad = openai.OpenAI(base_url=f"{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    assert client.completions.create(model=MODEL, prompt="still up", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics_present(server):
+    text = httpx.get(f"{server}/metrics").text
+    for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
+                 "time_to_first_token_seconds", "time_per_output_token_seconds", "prompt_tokens_total",
+                 "generation_tokens_total", "num_preemptions_total"):
+        assert f"dcpjax:{name}" in text
