@@ -163,3 +163,22 @@ def test_metrics_present(server):
                  "time_to_first_token_seconds", "time_per_output_token_seconds", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total"):
         assert f"dcpjax:{name}" in text
+
+
+def test_bench_serve_reports_latency_and_kv_usage(server):
+    from dcpjax.bench.client import run_benchmark
+
+    result = asyncio.run(run_benchmark(server, MODEL, input_len=48, output_len=8, num_prompts=12,
+                                       max_concurrency=6, api_key=API_KEY, progress=False))
+    assert (result["completed"], result["failed"]) == (12, 0)
+    for metric in ("ttft", "tpot", "itl"):
+        assert result[metric]["median_ms"] > 0 and result[metric]["p99_ms"] >= result[metric]["median_ms"]
+    assert result["output_throughput"] > 0 and 0 < result["peak_kv_cache_usage"] <= 1
+
+
+def test_load_holds_streams_without_errors_or_losses(server):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks"))
+    from load import hold
+
+    result = asyncio.run(hold(server, MODEL, streams=24, seconds=4, input_len=32, output_len=8, api_key=API_KEY))
+    assert result["completed"] > 0 and result["errors"] == 0 and result["lost"] == 0

@@ -130,7 +130,8 @@ def build_app(llm, async_engine, metrics, *, served_model_name: str, api_key: st
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                             "owned_by": "dcpjax", "max_model_len": llm.max_model_len}]}
+                                             "owned_by": "dcpjax", "max_model_len": llm.max_model_len,
+                                             "kv_cache_size_tokens": llm.kv_cache_size_tokens}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):

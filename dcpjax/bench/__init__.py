@@ -1,0 +1,1 @@
+"""`python -m dcpjax.bench`: serving benchmarks (serve, compare)."""
