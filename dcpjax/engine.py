@@ -8,8 +8,9 @@ Every step the scheduler fills one batch, first come first served:
      the tokens it already generated, so no request is lost and its outputs are the
      same as if it had run alone);
   2. waiting sequences, while rows, tokens and blocks remain.
-Prefill chunks and decode tokens share the step (rows are ragged). A row samples
-when its chunk reaches the last known token. Block ids are shared by all DCP ranks
+Prefill chunks and decode tokens advance in the same step, in two model calls (a
+decode row is never padded to a prefill chunk). A row samples when its chunk reaches
+the last known token. Block ids are shared by all DCP ranks
 (each rank holds its tokens of a block), so one allocator serves the replica.
 Shapes are bucketed (rows and chunk to powers of two, block-table width fixed by
 max_model_len), so sequences grow without recompiling.
@@ -189,24 +190,44 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> StepStats:
-        """Schedule, run the model once, sample, and retire finished sequences."""
+        """Schedule, run the model, sample, and retire finished sequences.
+
+        Prefill chunks and decode tokens advance in the same engine step but in two model
+        calls, [rows, chunk] and [rows, 1]: a decode row padded to a prefill chunk would
+        cost a whole chunk of compute.
+        """
         stats = StepStats()
         batch = self._schedule(stats)
         if not batch:
             if self.waiting and not self.running:
                 raise RuntimeError("the first waiting request does not fit in an empty KV cache")
             return stats
-        rows = _pow2_at_least(len(batch))
-        chunk = _pow2_at_least(max(n for _, n in batch))
+        is_prefill = [n > 1 or seq.num_computed + n < seq.length for seq, n in batch]
+        prefill = [row for row, p in zip(batch, is_prefill) if p]
+        decode = [row for row, p in zip(batch, is_prefill) if not p]
+        for group in (prefill, decode):
+            if group:
+                self._run(group)
+        for seq, _ in batch:
+            if seq.finished:
+                self.running.remove(seq)
+                self._release(seq)
+                stats.finished.append(seq)
+        stats.scheduled, stats.tokens = len(batch), sum(n for _, n in batch)
+        return stats
+
+    def _run(self, group: list[tuple[Sequence, int]]) -> None:
+        """One model call for these rows, then sampling for rows that reached their last known token."""
+        rows = _pow2_at_least(len(group))
+        chunk = _pow2_at_least(max(n for _, n in group))
         tokens = np.zeros((rows, chunk), np.int32)
         positions = np.zeros((rows, chunk), np.int32)
         valid = np.zeros((rows, chunk), bool)
         last = np.zeros((rows,), np.int32)
         tables = np.zeros((rows, self.blocks_per_seq), np.int32)
         sampling = []
-        for i, (seq, n) in enumerate(batch):
-            piece = seq.next_input()[:n]
-            tokens[i, :n] = piece
+        for i, (seq, n) in enumerate(group):
+            tokens[i, :n] = seq.next_input()[:n]
             positions[i] = seq.num_computed + np.arange(chunk)
             valid[i, :n] = True
             last[i] = n - 1
@@ -216,14 +237,7 @@ class Engine:
                 sampling.append(i)
         logits = self.runner.step(tokens, positions, valid, last, tables)
         if sampling:
-            self._sample_into([seq for seq, _ in batch], logits, sampling)
-        for seq, _ in batch:
-            if seq.finished:
-                self.running.remove(seq)
-                self._release(seq)
-                stats.finished.append(seq)
-        stats.scheduled, stats.tokens = len(batch), sum(n for _, n in batch)
-        return stats
+            self._sample_into([seq for seq, _ in group], logits, sampling)
 
     def run(self, sequences: list[Sequence], on_finish=None) -> None:
         """Add the sequences and step until the engine is idle (offline generation)."""
