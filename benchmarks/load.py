@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=200)
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--input-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--api-key")
     args = p.parse_args(argv)
     proc = None
