@@ -33,17 +33,36 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
-    p.add_argument("--num-cpu-devices", type=int, default=0, help="fake this many CPU devices (0: real devices)")
+    p.add_argument("--num-cpu-devices", type=int, default=0,
+                   help="fake this many CPU devices in this process (0: real devices)")
+    p.add_argument("--coordinator-address", help="host:port of process 0, to run one model over several processes")
+    p.add_argument("--num-processes", type=int, default=1)
+    p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP; the others follow its engine")
     return p.parse_args(argv)
+
+
+def init_distributed(args) -> None:
+    """jax.distributed over --num-processes processes (CPU collectives over gloo)."""
+    import jax
+
+    if args.num_processes > 1:
+        if not args.coordinator_address:
+            raise SystemExit("--num-processes > 1 needs --coordinator-address host:port")
+        if args.num_cpu_devices:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
+                                   process_id=args.process_id)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.num_cpu_devices:
-        from dcpjax.devices import use_cpu_devices
+        import jax
 
-        use_cpu_devices(args.num_cpu_devices)
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
+    init_distributed(args)
     import uvicorn
 
     import dcpjax
@@ -60,9 +79,18 @@ def main(argv=None) -> int:
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
     )
+    channel = None
+    if args.num_processes > 1:
+        from dcpjax.serve.multihost import CommandChannel, follow
+
+        channel = CommandChannel()
+        if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0
+            logging.getLogger("dcpjax").info("process %d following process 0", args.process_id)
+            follow(llm.engine, channel)
+            return 0
     name = args.served_model_name or args.model
     metrics = Metrics(name)
-    engine = AsyncEngine(llm.engine, metrics)
+    engine = AsyncEngine(llm.engine, metrics, channel)
     app = build_app(llm, engine, metrics, served_model_name=name, api_key=args.api_key,
                     max_body_bytes=args.max_request_bytes)
     logging.getLogger("dcpjax").info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port,

@@ -50,8 +50,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: Metrics):
-        self.engine, self.metrics = engine, metrics
+    """channel: a `multihost.CommandChannel` when several processes share the model (this
+    one being process 0); every command then goes to all processes before each step."""
+
+    def __init__(self, engine: Engine, metrics: Metrics, channel=None):
+        self.engine, self.metrics, self.channel = engine, metrics, channel
         self.commands: queue.Queue = queue.Queue()
         self.streams: dict[str, _Stream] = {}
         self.wake = threading.Event()
@@ -80,14 +83,23 @@ class AsyncEngine:
         self.stopped = True
         self.wake.set()
         self.thread.join(timeout=10)
+        if self.channel is not None:
+            self.channel.exchange([{"op": "stop"}])
 
     # -- the engine thread -------------------------------------------------------------------
     def _drain_commands(self) -> None:
+        pending = []
         while True:
             try:
-                kind, arg = self.commands.get_nowait()
+                pending.append(self.commands.get_nowait())
             except queue.Empty:
-                return
+                break
+        if self.channel is not None:  # the other processes apply the same commands, in order
+            from dcpjax.serve.multihost import encode_add
+
+            self.channel.exchange([encode_add(arg.seq) if kind == "add" else {"op": "abort", "request_id": arg}
+                                   for kind, arg in pending])
+        for kind, arg in pending:
             if kind == "add":
                 self.streams[arg.seq.request_id] = arg
                 self.engine.add(arg.seq)
@@ -121,7 +133,8 @@ class AsyncEngine:
             self._drain_commands()
             if not self.engine.has_work():
                 self.metrics.update(self.engine)
-                self.wake.wait(timeout=0.5)
+                # with other processes, come back soon: each iteration is also their heartbeat
+                self.wake.wait(timeout=0.5 if self.channel is None else 0.05)
                 self.wake.clear()
                 continue
             try:
