@@ -162,7 +162,11 @@ class LLM:
         save_state(self.runner.state, self.model_config, self.parallel_config, path)
 
     # -- generation --------------------------------------------------------------------------
-    def _to_sequence(self, prompt, params: SamplingParams, index: int, request_id: str | None = None) -> Sequence:
+    def make_sequence(self, prompt, params: SamplingParams, index: int, request_id: str | None = None) -> Sequence:
+        """Validate one prompt (text or {"prompt_token_ids": [...]}) into an engine Sequence.
+
+        ValueError names what is wrong (index: the prompt's position, for the message).
+        """
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]}")
@@ -202,7 +206,7 @@ class LLM:
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        sequences = [self._to_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        sequences = [self.make_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
         with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm) as bar:
             self.engine.run(sequences, on_finish=lambda seq: bar.update())
         return [self.engine.output(seq) for seq in sequences]

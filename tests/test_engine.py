@@ -34,7 +34,7 @@ def test_oversubscribed_cache_preempts_and_loses_nothing(alone):
 def test_abort_frees_blocks_at_once():
     llm = make(4 << 20)
     engine = llm.engine
-    keep, drop = (llm._to_sequence(p, PARAMS, i) for i, p in enumerate(PROMPTS[:2]))
+    keep, drop = (llm.make_sequence(p, PARAMS, i) for i, p in enumerate(PROMPTS[:2]))
     engine.add(keep)
     engine.add(drop)
     for _ in range(3):
@@ -53,7 +53,7 @@ def test_abort_frees_blocks_at_once():
 def test_first_come_first_served_and_row_limit(alone):
     llm = make(4 << 20, max_num_seqs=3)
     engine = llm.engine
-    seqs = [llm._to_sequence(p, PARAMS, i) for i, p in enumerate(PROMPTS[:6])]
+    seqs = [llm.make_sequence(p, PARAMS, i) for i, p in enumerate(PROMPTS[:6])]
     for seq in seqs:
         engine.add(seq)
     engine.step()

@@ -41,6 +41,13 @@ def identity_tables(batch: int, pages_per_seq: int) -> jax.Array:
     return jnp.arange(batch * pages_per_seq, dtype=jnp.int32).reshape(batch, pages_per_seq)
 
 
+def _as_paged(k, v, k_scale, v_scale, batch: int):
+    """Contiguous KV (and fp8 scales) as pages of one sequence each, with an identity table."""
+    page = contiguous_page_size(k.shape[1])
+    k, v, k_scale, v_scale = (None if x is None else as_pages(x, page) for x in (k, v, k_scale, v_scale))
+    return k, v, k_scale, v_scale, identity_tables(batch, k.shape[0] // batch)
+
+
 def default_target(platform: str | None = None) -> str:
     return "tpu" if (platform or jax.default_backend()) == "tpu" else "gpu"
 
@@ -83,10 +90,8 @@ def decode_attention_pallas(
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
-    if not shapes.paged:  # contiguous -> pages of one sequence each, identity table
-        page = contiguous_page_size(k.shape[1])
-        k, v, k_scale, v_scale = (None if x is None else as_pages(x, page) for x in (k, v, k_scale, v_scale))
-        block_tables = identity_tables(shapes.batch, k.shape[0] // shapes.batch)
+    if not shapes.paged:
+        k, v, k_scale, v_scale, block_tables = _as_paged(k, v, k_scale, v_scale, shapes.batch)
     if target == "tpu" and not interpret:  # the interpreter has no tiling rules
         problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, k.shape[1], v is None, k_scale is not None)
         if problem:
@@ -132,9 +137,7 @@ def chunk_attention_pallas(
     shapes = check_chunk_args(q, k, v, lengths, block_tables, v_head_dim)
     batch, queries = q.shape[:2]
     if not shapes.paged:
-        page = contiguous_page_size(k.shape[1])
-        k, v, k_scale, v_scale = (None if x is None else as_pages(x, page) for x in (k, v, k_scale, v_scale))
-        block_tables = identity_tables(batch, k.shape[0] // batch)
+        k, v, k_scale, v_scale, block_tables = _as_paged(k, v, k_scale, v_scale, batch)
     out, lse = decode_attention_pallas(
         q.reshape(batch * queries, *q.shape[2:]), k, v, lengths.reshape(-1),
         block_tables=jnp.repeat(block_tables, queries, axis=0), sm_scale=sm_scale, v_head_dim=v_head_dim,

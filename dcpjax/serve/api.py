@@ -87,7 +87,7 @@ def build_app(llm, async_engine, metrics, *, served_model_name: str, api_key: st
 
     def sequence(prompt, params):
         try:
-            return llm._to_sequence(prompt, params, 0, request_id=f"cmpl-{uuid.uuid4().hex}")
+            return llm.make_sequence(prompt, params, 0, request_id=f"cmpl-{uuid.uuid4().hex}")
         except ValueError as err:
             raise APIError(400, str(err)) from err
 
