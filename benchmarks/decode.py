@@ -36,19 +36,19 @@ def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int) -> 
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 256, context).tolist()} for _ in range(batch)]
     params = dcpjax.SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
-    engine = llm.engine
+    runner = llm.runner
     times = []
-    original = engine.runner.step
+    original = runner.launch
 
-    def timed_step(tokens, *rest):  # time decode steps (one token per sequence)
+    def timed_launch(rows, packed, chunk, config):  # time decode steps (one token per sequence)
         start = time.perf_counter()
-        logits = original(tokens, *rest)
-        logits.block_until_ready()
-        if tokens.shape[1] == 1:
+        result = original(rows, packed, chunk, config)
+        result.output.block_until_ready()
+        if chunk == 1:
             times.append(time.perf_counter() - start)
-        return logits
+        return result
 
-    engine.runner.step = timed_step
+    runner.launch = timed_launch
     llm.generate(prompts, params)
     decode = sorted(times[1:])  # the first decode step compiles
     step = decode[len(decode) // 2]

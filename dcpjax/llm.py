@@ -67,6 +67,8 @@ class LLM:
       block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
       max_num_seqs: sequences running together.
       max_num_batched_tokens: tokens per step (prefill chunks and decode tokens together; a power of two).
+      async_scheduling: keep the host one step ahead of the device (vLLM's `async_scheduling`):
+        the next step is scheduled and dispatched before the last one's tokens are read.
       orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
         on any mesh) instead of `model`'s safetensors or random weights.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
@@ -89,6 +91,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 256,
+        async_scheduling: bool = True,
         orbax_checkpoint: str | None = None,
         devices: Seq[jax.Device] | None = None,
     ):
@@ -146,12 +149,13 @@ class LLM:
                 f"max_model_len={self.max_model_len} needs {needed} KV blocks but the cache holds {kv.num_blocks} "
                 f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.runner = ModelRunner(cfg, pc, self.mesh, graphdef, state, kv, attention_backend)
+        self.runner = ModelRunner(cfg, pc, self.mesh, graphdef, state, kv, attention_backend, max_num_seqs)
         eos = set(cfg.eos_token_id) | ({self.tokenizer.eos_token_id} if self.tokenizer is not None
                                        and self.tokenizer.eos_token_id is not None else set())
         self.engine = Engine(
             self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling,
         )
         self.seed = seed
         self._request_ids = itertools.count()

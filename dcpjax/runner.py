@@ -1,25 +1,36 @@
-"""The model on the mesh: sharded parameters, the paged KV pools, compiled steps.
+"""The model on the mesh: sharded parameters, the paged KV pools, the compiled step.
 
-`ModelRunner.step` runs one chunk of T tokens for B sequences: the whole model
-inside one `shard_map` over ("tp", "dcp"), then returns the next-token logits.
-Shapes (B, T, block-table width) are the only compile keys: sequences grow
-without recompiling, lengths and positions are data.
+One compiled step runs a chunk of T tokens for B sequences (the whole model inside
+one `shard_map` over ("tp", "dcp")) and samples each row's next token in the same
+dispatch. Its inputs arrive as one packed int32 array (one host-to-device transfer
+per step); its sampled tokens also land in a device-side buffer indexed by each
+sequence's slot, from which the next step reads a decode row's input, so the host
+never has to see a token before the device uses it (asynchronous scheduling).
+
+Compile keys: rows B, chunk T and block-table width P (each bucketed to a power of
+two, P to the longest sequence in the batch, so a step reads only blocks its rows
+can reach), and the static `SamplerConfig`. Lengths, positions and sampling values
+are data: sequences grow inside a bucket without recompiling.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.base import StepContext, kv_head_slots
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
+from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
+from dcpjax.scheduler import ScheduledRow
 from dcpjax.sharding.mesh import logical_spec
 
 KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
@@ -63,14 +74,56 @@ class KVCacheLayout:
         return num_layers * self.block_size * local_heads * per_token_head
 
 
+# Columns of a packed step input after the chunk's tokens and the block table.
+START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, COUNTER = range(11)
+NUM_META = 11
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sampling_meta(seq) -> np.ndarray:
+    """[TEMPERATURE..SEED] of a sequence as int32 (floats bit-cast), computed once per request."""
+    meta = getattr(seq, "_sampling_meta", None)
+    if meta is None:
+        p = seq.params
+        floats = np.array([p.temperature, p.top_p, p.min_p], np.float32).view(np.int32)
+        meta = np.array([floats[0], max(p.top_k, 0), floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32)],
+                        np.int32)
+        seq._sampling_meta = meta
+    return meta
+
+
+@dataclasses.dataclass
+class StepResult:
+    """A dispatched step: its rows, and its sampled output still on (or coming from) the device."""
+
+    rows: list[ScheduledRow]
+    output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs
+    config: SamplerConfig
+
+    def fetch(self) -> dict[str, np.ndarray]:
+        """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids, top_logprobs."""
+        out = np.asarray(self.output)
+        if self.config.num_top is None:
+            return {"tokens": out}
+        k = self.config.num_top
+        as_int = lambda x: np.ascontiguousarray(x).view(np.int32)
+        return {"tokens": as_int(out[:, 0]), "logprobs": out[:, 1], "ranks": as_int(out[:, 2]),
+                "top_ids": as_int(out[:, 3 : 3 + k]), "top_logprobs": out[:, 3 + k :]}
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, mesh: Mesh, graphdef: nnx.GraphDef,
-                 state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto"):
+                 state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto", max_num_seqs: int = 64):
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
+        self.max_num_seqs = max_num_seqs
         platform = mesh.devices.flat[0].platform
         self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend, platform=platform)
         local_heads = kv.kv_slots // pc.kv_head_groups
+        self.replicated = NamedSharding(mesh, PartitionSpec())
 
         def zeros(shape, dtype, spec):
             # Made by a shard_map like the step's outputs, so both carry the same sharding
@@ -84,9 +137,16 @@ class ModelRunner:
             return data, scales if kv.quantized else None
 
         self.kv_caches = tuple(tuple(pool(d) for d in kv.pool_dims) for _ in range(cfg.num_hidden_layers))
+        # the last token sampled for each slot (a running sequence's row in this buffer)
+        self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
+        # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
+        leaves, self._param_tree = jax.tree.flatten(state)
+        self._param_leaves = tuple(leaves)
         self._step = self._compile_step()
 
-    def _compile_step(self):
+    def _model(self):
+        """The model forward inside shard_map: (state, caches, tokens, positions, valid, last, tables)
+        -> (logits [B, vocab] float32 replicated, caches)."""
         graphdef, ctx = self.graphdef, self.ctx
         replicated = PartitionSpec()
         pool_spec = (KV_POOL_SPEC, KV_SCALE_SPEC if self.kv_layout.quantized else None)
@@ -96,30 +156,84 @@ class ModelRunner:
             model = nnx.merge(graphdef, state)
             return model(tokens, positions, valid, last_index, kv_caches, block_tables, ctx)
 
-        sharded = jax.shard_map(
+        return jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=(param_specs(self.state), cache_specs) + (replicated,) * 5,
             out_specs=(replicated, cache_specs),
             check_vma=False,  # Pallas kernels inside
         )
-        return jax.jit(sharded, donate_argnums=(1,))
 
-    def step(self, tokens, positions, valid, last_index, block_tables) -> jax.Array:
-        """Run a chunk; returns next-token logits [B, vocab] float32 (replicated).
+    def _compile_step(self):
+        model, num_slots, replicated, param_tree = self._model(), self.max_num_seqs, self.replicated, self._param_tree
 
-        tokens, positions, valid: [B, T]; last_index: [B]; block_tables: [B, P] int32.
+        def step(param_leaves, kv_caches, slot_tokens, packed, chunk: int, config: SamplerConfig):
+            state = jax.tree.unflatten(param_tree, param_leaves)
+            width = packed.shape[1] - chunk - NUM_META
+            meta = packed[:, chunk + width :]
+            column = lambda c: meta[:, c]
+            as_float = lambda c: jax.lax.bitcast_convert_type(meta[:, c], jnp.float32)
+            offsets = jnp.arange(chunk, dtype=jnp.int32)[None, :]
+            slot = column(SLOT)
+            from_device = (column(DEVICE_INPUT) > 0)[:, None] & (offsets == 0)
+            tokens = jnp.where(from_device, slot_tokens[jnp.clip(slot, 0, num_slots - 1)][:, None], packed[:, :chunk])
+            positions = column(START)[:, None] + offsets
+            valid = offsets < column(COUNT)[:, None]
+            last = jnp.maximum(column(COUNT) - 1, 0)
+            logits, kv_caches = model(state, kv_caches, tokens, positions, valid, last, packed[:, chunk : chunk + width])
+            rows = SamplingRows(as_float(TEMPERATURE), column(TOP_K), as_float(TOP_P), as_float(MIN_P),
+                                jax.lax.bitcast_convert_type(column(SEED), jnp.uint32), column(COUNTER))
+            sampled = sample(logits, rows, config)
+            target = jnp.where(column(SAMPLES) > 0, slot, num_slots)  # out of range: dropped
+            slot_tokens = slot_tokens.at[target].set(sampled.tokens, mode="drop")
+            slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
+            if config.num_top is None:
+                return sampled.tokens, kv_caches, slot_tokens
+            as_bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+            out = jnp.concatenate([as_bits(sampled.tokens)[:, None], sampled.logprobs[:, None],
+                                   as_bits(sampled.ranks)[:, None], as_bits(sampled.top_ids), sampled.top_logprobs], axis=1)
+            return out, kv_caches, slot_tokens
+
+        return jax.jit(step, static_argnames=("chunk", "config"), donate_argnums=(1, 2))
+
+    # -- one step ------------------------------------------------------------------------------
+    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray) -> tuple[jax.Array, int, SamplerConfig]:
+        """Pack a step's rows into one int32 array on the mesh (one transfer).
+
+        block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
+        Returns (packed [B, T + P + NUM_META] replicated, T, sampler config).
         """
-        logits, self.kv_caches = self._step(
-            self.state, self.kv_caches,
-            jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(valid, bool),
-            jnp.asarray(last_index, jnp.int32), jnp.asarray(block_tables, jnp.int32),
-        )
-        return logits
+        batch, chunk = _pow2_at_least(len(rows)), _pow2_at_least(max(r.count for r in rows))
+        width = min(block_tables.shape[1], _pow2_at_least(max(len(r.seq.blocks) for r in rows)))
+        packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
+        meta = packed[:, chunk + width :]
+        meta[:, SLOT] = self.max_num_seqs  # padding rows: no slot
+        slots = np.fromiter((r.seq.slot for r in rows), np.int32, len(rows))
+        packed[: len(rows), chunk : chunk + width] = block_tables[slots, :width]
+        for i, row in enumerate(rows):
+            seq = row.seq
+            if not row.device_input:
+                packed[i, : row.count] = seq.token_ids[row.start : row.start + row.count]
+            meta[i, :SAMPLES + 1] = (row.start, row.count, seq.slot, row.device_input, row.samples)
+            meta[i, TEMPERATURE:COUNTER] = _sampling_meta(seq)
+            meta[i, COUNTER] = seq.num_tokens - 1 - seq.num_prompt_tokens  # the draw's index
+        config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
+        return jax.device_put(packed, self.replicated), chunk, config
+
+    def launch(self, rows: list[ScheduledRow], packed: jax.Array, chunk: int, config: SamplerConfig) -> StepResult:
+        """Dispatch the step (returns at once; the device runs it) and start copying its output home."""
+        output, self.kv_caches, self.slot_tokens = self._step(self._param_leaves, self.kv_caches, self.slot_tokens,
+                                                              packed, chunk=chunk, config=config)
+        output.copy_to_host_async()
+        return StepResult(rows, output, config)
+
+    def execute(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> StepResult:
+        """prepare + launch."""
+        return self.launch(rows, *self.prepare(rows, block_tables))
 
     @property
     def compiled_step_count(self) -> int:
-        """How many (B, T, P) shapes have been compiled (jit's cache size)."""
+        """How many (B, T, P, sampler) variants have been compiled (jit's cache size)."""
         return self._step._cache_size()
 
 

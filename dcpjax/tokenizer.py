@@ -69,3 +69,37 @@ def load_tokenizer(folder: str | pathlib.Path | None):
     if (pathlib.Path(folder) / "tokenizer.json").is_file():
         return HFTokenizer(folder)
     return None
+
+
+class _ByteStream:
+    """Incremental UTF-8 decoding of byte-token ids: a character split across tokens waits."""
+
+    def __init__(self):
+        import codecs
+
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def step(self, token_id: int) -> str:
+        return self.decoder.decode(bytes([token_id])) if token_id < 256 else ""
+
+
+class _HFStream:
+    """tokenizers' DecodeStream: text appears as soon as it can no longer change."""
+
+    def __init__(self, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self.stream.step(self.tokenizer, token_id) or ""
+
+
+def decode_stream(tokenizer):
+    """An object whose `step(token_id) -> str` returns the text each new token adds (O(1) per
+    token); the concatenation is the text so far. None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, HFTokenizer):
+        return _HFStream(tokenizer.tokenizer)
+    return _ByteStream()

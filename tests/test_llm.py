@@ -5,7 +5,8 @@ import pytest
 
 import dcpjax
 from dcpjax import LLM, SamplingParams
-from dcpjax.engine import Engine, Sequence
+from dcpjax.output_processor import OutputProcessor
+from dcpjax.sequence import Sequence
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.tokenizer import ByteTokenizer
 from dcpjax.weights import DictSource, load_state, model_rules, random_checkpoint
@@ -49,17 +50,23 @@ def test_outputs_look_like_vllm():
     assert completion.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
 
 
-def test_no_recompilation_as_sequences_grow():
-    llm = make()
+def test_compiled_step_shapes_stay_fixed_as_sequences_grow():
+    """Compile keys are rows, chunk and block-table width, each a power of two: sequences grow
+    inside a width bucket without recompiling, and each doubling of the longest one adds one."""
+    llm = make()  # block_size 16, DCP 1
     llm.generate(["a" * 10, "b" * 40], SamplingParams(temperature=0, max_tokens=5))
     compiled = llm.runner.compiled_step_count
-    assert compiled == 2  # one prefill chunk shape, one decode shape
-    # the same shapes, much longer sequences: positions and lengths are data, not compile keys
-    llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    assert compiled == 2  # one prefill shape, one decode shape (2 rows, 4 blocks)
+    # longer outputs inside the same buckets: positions and lengths are data, not compile keys
+    llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     assert llm.runner.compiled_step_count == compiled
-    # any mix stays within the buckets: rows and chunk are powers of two
+    # 46 + 100 tokens need 10 blocks: decode widths 8 and 16 join, once
+    for _ in range(2):
+        llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+        assert llm.runner.compiled_step_count == compiled + 2
+    # any mix stays within the buckets: rows in {1, 2, 4, 8}, chunk in {1, ..., 64}, width in {1, ..., 32}
     llm.generate(["e" * n for n in (3, 30, 61, 7, 19)], SamplingParams(temperature=0, max_tokens=9))
-    assert llm.runner.compiled_step_count <= 4 * 7  # rows in {1, 2, 4, 8}, chunk in {1, ..., 64}
+    assert llm.runner.compiled_step_count <= 4 * 7 * 6
 
 
 def test_sampling_controls():
@@ -99,22 +106,12 @@ def test_stop_token_ids_and_stop_strings():
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
-def _engine_for_stops():
-    class Runner:
-        pc = dcpjax.ParallelConfig()
-        kv_layout = type("L", (), {"num_blocks": 4})()
-
-    return Engine(Runner(), ByteTokenizer(), {BYTE_EOS}, block_size=4, max_model_len=64, max_num_seqs=4,
-                  max_num_batched_tokens=16)
-
-
 @pytest.mark.parametrize("ignore_eos, reason", [(False, "stop"), (True, None)])
 def test_eos_ends_a_sequence_unless_ignored(ignore_eos, reason):
-    engine = _engine_for_stops()
+    processor = OutputProcessor(ByteTokenizer(), {BYTE_EOS})
     seq = Sequence("0", "p", [1, 2], SamplingParams(ignore_eos=ignore_eos, max_tokens=10), max_total=12, seed=0)
     for token in (ord("h"), ord("i"), BYTE_EOS):
-        seq.output_ids.append(token)
-        engine._check_stop(seq, token)
+        processor.append(seq, token)
     assert seq.finish_reason == reason
     assert seq.text == "hi" if reason else seq.text.startswith("hi")
 

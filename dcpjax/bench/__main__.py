@@ -1,4 +1,7 @@
-"""`python -m dcpjax.bench serve|compare`: serving benchmarks.
+"""`python -m dcpjax.bench throughput|serve|compare`: offline and serving benchmarks.
+
+    # offline generation speed, with a per-step breakdown of host work (vLLM's bench throughput)
+    python -m dcpjax.bench throughput --model tiny-llama --num-prompts 32 --input-len 64 --output-len 128
 
     # against a running server
     python -m dcpjax.bench serve --base-url http://127.0.0.1:8000 --input-len 1024 --output-len 64 \\
@@ -22,6 +25,7 @@ import time
 import urllib.request
 
 from dcpjax.bench.client import run_benchmark
+from dcpjax.bench.throughput import add_arguments as add_throughput_arguments
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -40,6 +44,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dcpjax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
+    throughput = sub.add_parser("throughput", help="offline generation speed and where each step's time goes")
+    add_throughput_arguments(throughput)
     serve = sub.add_parser("serve", help="benchmark a running server")
     serve.add_argument("--base-url", default="http://127.0.0.1:8000")
     serve.add_argument("--model", help="served model name (default: the server's only model)")
@@ -137,6 +143,10 @@ def table(results: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.command == "throughput":
+        from dcpjax.bench import throughput
+
+        return throughput.main(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.command == "serve":
         result = _bench(args.base_url, args.model or _model_name(args.base_url, headers), args)

@@ -98,8 +98,8 @@ def build_app(llm, async_engine, metrics, *, served_model_name: str, api_key: st
         return seq
 
     def usage(seq) -> dict:
-        return {"prompt_tokens": len(seq.prompt_ids), "completion_tokens": len(seq.output_ids),
-                "total_tokens": len(seq.prompt_ids) + len(seq.output_ids)}
+        return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
+                "total_tokens": seq.length}
 
     def sse(chunks):
         async def body():

@@ -113,7 +113,7 @@ class AsyncEngine:
     def _publish(self, stream: _Stream) -> None:
         seq = stream.seq
         text = _stable_text(seq)
-        new_tokens = seq.output_ids[stream.sent_tokens:]
+        new_tokens = seq.output_ids_since(stream.sent_tokens)
         if not new_tokens and len(text) == stream.sent_text and not seq.finished:
             return
         now = time.monotonic()
@@ -122,10 +122,10 @@ class AsyncEngine:
             self.metrics.time_to_first_token.observe(now - stream.arrival)
         update = Update(text[stream.sent_text:], new_tokens, seq.logprobs[stream.sent_tokens:] if seq.params.logprobs
                         is not None else [], seq.finish_reason, seq)
-        stream.sent_text, stream.sent_tokens = len(text), len(seq.output_ids)
+        stream.sent_text, stream.sent_tokens = len(text), seq.num_output_tokens
         self.metrics.generation_tokens.inc(len(new_tokens))
-        if seq.finished and stream.first_token is not None and len(seq.output_ids) > 1:
-            self.metrics.time_per_output_token.observe((now - stream.first_token) / (len(seq.output_ids) - 1))
+        if seq.finished and stream.first_token is not None and seq.num_output_tokens > 1:
+            self.metrics.time_per_output_token.observe((now - stream.first_token) / (seq.num_output_tokens - 1))
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)
 
     def _loop(self) -> None:
@@ -141,6 +141,7 @@ class AsyncEngine:
                 stats = self.engine.step()
             except Exception:  # an engine failure must not leave clients hanging
                 logger.exception("engine step failed; failing the running requests")
+                self.engine.in_flight.clear()  # results of a failed step are not to be read
                 for request_id in list(self.streams):
                     self.engine.abort(request_id)
                     self._publish(self.streams.pop(request_id))

@@ -1,0 +1,90 @@
+"""Sampler cost at a large vocabulary: the in-step sampler against sorting the whole vocabulary.
+
+    python benchmarks/sampling.py                       # Qwen's vocabulary (151,936), batch 64
+    python benchmarks/sampling.py --vocab 32000 --batch 128
+
+"sort everything" is the sampler dcpjax used before issue 7 (one `lax.top_k(vocab)` for
+every row, greedy or not, and log-probabilities always), kept here as the baseline. Both
+run jitted on the same logits in the same process; medians of --iters calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from dcpjax.sampling import SamplingParams, SamplingRows, sample, sampler_config  # noqa: E402
+
+
+def sort_everything(logits, temperature, top_k, top_p, min_p, seeds, counters):
+    """The previous sampler: sort the whole vocabulary for every row; logprobs always."""
+    vocab = logits.shape[-1]
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy = temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    values, order = jax.lax.top_k(scaled, vocab)
+    rank = jnp.arange(vocab)[None, :]
+    values = jnp.where(rank < jnp.where(top_k > 0, top_k, vocab)[:, None], values, -jnp.inf)
+    probs = jax.nn.softmax(values, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = ((before < top_p[:, None]) & (probs >= min_p[:, None] * probs[:, :1])).at[:, 0].set(True)
+    filtered = jnp.where(keep, values, -jnp.inf)
+    keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(seeds, counters)
+    choice = jax.vmap(jax.random.categorical)(keys, filtered)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=1)[:, 0]
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, 1)
+    return tokens, chosen, top_ids, top_logprobs
+
+
+def median_ms(fn, iters):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args(argv)
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(args.batch, args.vocab)).astype(np.float32) * 3)
+    greedy, top_p = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95)
+    mixes = {"all greedy": [greedy] * args.batch,
+             "half greedy, half top-p 0.95": [greedy, top_p] * (args.batch // 2),
+             "all top-p 0.95": [top_p] * args.batch}
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}, vocab {args.vocab:,}, batch {args.batch}, "
+          f"{time.strftime('%Y-%m-%d')}\n")
+    print("| rows | sort everything (ms) | in-step sampler (ms) | speed-up |")
+    print("|---|---:|---:|---:|")
+    for name, params in mixes.items():
+        f32 = lambda xs: jnp.asarray(np.asarray(xs, np.float32))
+        i32 = lambda xs: jnp.asarray(np.asarray(xs, np.int32))
+        args_ = (f32([q.temperature for q in params]), i32([q.top_k for q in params]), f32([q.top_p for q in params]),
+                 f32([q.min_p for q in params]), jnp.arange(args.batch, dtype=jnp.uint32), i32([0] * args.batch))
+        old = jax.jit(sort_everything)
+        config = sampler_config(params, args.vocab)
+        new = jax.jit(lambda x, *a: sample(x, SamplingRows(*a), config).tokens)
+        old_ms = median_ms(lambda: old(logits, *args_), args.iters)
+        new_ms = median_ms(lambda: new(logits, *args_), args.iters)
+        print(f"| {name} | {old_ms:.1f} | {new_ms:.2f} | {old_ms / new_ms:.0f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

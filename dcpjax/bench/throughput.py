@@ -1,0 +1,207 @@
+"""`python -m dcpjax.bench throughput`: offline generation speed (vLLM's `bench throughput`).
+
+Runs `num_prompts` random prompts of `input_len` tokens, each generating exactly
+`output_len` tokens (greedy, EOS ignored), through `LLM.generate`, after one untimed
+warm-up pass of the same workload (so every step shape is compiled before timing).
+Reports output tokens/s, requests/s and a per-step breakdown of host work:
+
+  schedule   the scheduler (queues, blocks, preemption)
+  prepare    packing a model call's rows and the one host->device transfer
+  dispatch   enqueueing the compiled step (model and sampling in one dispatch)
+  wait       blocked on the device for a step's tokens
+  process    reading tokens, detokenizing, stop checks, logprobs
+
+Device time per step comes from a synchronous pass of the same workload (each step read
+as soon as it is dispatched: dispatch + wait is the device's step); the asynchronous
+run's wall time minus it is host time the device did not hide (device idle).
+With --compare-transformers, Hugging Face transformers' `generate` runs the same
+folder and prompts in the same process (greedy, `min_new_tokens` = `max_new_tokens`,
+the equivalent of ignore_eos) and the ratio is printed; it needs `pip install -e ".[bench]"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-llama", help="HF folder or built-in name")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
+    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
+    p.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto")
+    p.add_argument("--max-num-seqs", type=int, help="default: num-prompts")
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="default: room for every sequence at once")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-async-scheduling", action="store_true", help="time the synchronous loop instead")
+    p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
+    p.add_argument("--num-cpu-devices", type=int, default=0, help="fake this many CPU devices (0: real devices)")
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also time Hugging Face transformers' generate on the same folder and prompts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    low = min(3, vocab - 1)  # skip the usual special ids (0-2) where the vocabulary allows
+    return [rng.integers(low, vocab, length).tolist() for _ in range(num)]
+
+
+def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
+    from dcpjax.engine import StepTimings
+
+    engine = llm.engine
+    engine.async_scheduling = async_scheduling
+    engine.timings = StepTimings()
+    compiled = llm.runner.compiled_step_count
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return dict(seconds=seconds, output_tokens=tokens, timings=engine.timings.as_dict(),
+                recompilations=llm.runner.compiled_step_count - compiled, outputs=outputs)
+
+
+def _sampling_ms(vocab: int, batch: int) -> float:
+    """The greedy sampler alone at this batch and vocabulary (it runs inside the step)."""
+    import jax
+    import numpy as np
+
+    from dcpjax.sampling import SamplerConfig, SamplingRows, sample
+
+    logits = jax.numpy.asarray(np.random.default_rng(0).normal(size=(batch, vocab)).astype(np.float32))
+    zeros = jax.numpy.zeros(batch, jax.numpy.float32)
+    rows = SamplingRows(zeros, zeros.astype(np.int32), zeros + 1, zeros, zeros.astype(np.uint32), zeros.astype(np.int32))
+    fn = jax.jit(lambda x: sample(x, rows, SamplerConfig()).tokens)
+    fn(logits).block_until_ready()
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        fn(logits).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def _transformers_generate(folder: str, prompts: list[list[int]], output_len: int) -> dict:
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        raise SystemExit(f"--compare-transformers needs torch and transformers: pip install -e \".[bench]\" ({e})")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor(prompts, dtype=torch.long)
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    kw = dict(do_sample=False, pad_token_id=pad, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+        seconds = time.perf_counter() - start
+    generated = out[:, ids.shape[1]:]
+    return dict(seconds=seconds, output_tokens=int(generated.numel()), token_ids=generated.tolist(),
+                version=transformers.__version__, torch=torch.__version__)
+
+
+def run(args) -> dict:
+    if args.num_cpu_devices:
+        from dcpjax.devices import use_cpu_devices
+
+        use_cpu_devices(args.num_cpu_devices)
+    import jax
+
+    import dcpjax
+
+    if args.compare_transformers and args.model in __import__("dcpjax.models.config", fromlist=["TINY_MODELS"]).TINY_MODELS:
+        raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder "
+                         "(benchmarks/make_hf_llama.py writes the issue's tiny Llama)")
+    max_model_len = args.input_len + args.output_len + 1
+    max_num_seqs = args.max_num_seqs or args.num_prompts
+    llm = dcpjax.LLM(
+        args.model, tensor_parallel_size=args.tensor_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
+        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, dcp_comm_backend=args.dcp_comm_backend,
+        dtype=args.dtype, max_model_len=max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        attention_backend=args.attention_backend, block_size=args.block_size, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
+        async_scheduling=not args.no_async_scheduling,
+    )
+    vocab = llm.model_config.vocab_size
+    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    mode = not args.no_async_scheduling
+    _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
+    main = _timed_generate(llm, prompts, params, mode)
+    result = dict(
+        model=args.model, devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}", jax=jax.__version__,
+        tp=args.tensor_parallel_size, dcp=args.decode_context_parallel_size, num_prompts=args.num_prompts,
+        input_len=args.input_len, output_len=args.output_len, async_scheduling=mode,
+        elapsed_s=main["seconds"], output_tokens=main["output_tokens"],
+        output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
+        recompilations=main["recompilations"], timings=main["timings"],
+        sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs),
+    )
+    if not args.no_breakdown:
+        sync = _timed_generate(llm, prompts, params, False)
+        device_s = sync["timings"]["dispatch"] + sync["timings"]["wait"]
+        result.update(device_s=device_s, sync_elapsed_s=sync["seconds"],
+                      sync_output_throughput=sync["output_tokens"] / sync["seconds"],
+                      device_idle=max(0.0, 1 - device_s / main["seconds"]),
+                      identical_to_sync=[o.outputs[0].token_ids for o in sync["outputs"]]
+                      == [o.outputs[0].token_ids for o in main["outputs"]])
+    if args.compare_transformers:
+        hf = _transformers_generate(args.model, prompts, args.output_len)
+        result["transformers"] = dict(elapsed_s=hf["seconds"], output_throughput=hf["output_tokens"] / hf["seconds"],
+                                      version=hf["version"], torch=hf["torch"],
+                                      greedy_tokens_match=hf["token_ids"] == [o.outputs[0].token_ids for o in main["outputs"]])
+        result["ratio_vs_transformers"] = result["output_throughput"] / result["transformers"]["output_throughput"]
+    return result
+
+
+def report(r: dict) -> str:
+    t = r["timings"]
+    steps = max(t["steps"], 1)
+    per_step = lambda key: 1e3 * t[key] / steps
+    lines = [
+        f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
+        f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling",
+        f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
+        f"elapsed {r['elapsed_s']:.2f} s, {t['steps']} steps ({t['model_calls']} model calls), "
+        f"recompilations while timed: {r['recompilations']}",
+        "",
+        "| per step (ms) | schedule | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        f"| mean | {per_step('schedule'):.3f} | {per_step('prepare'):.3f} | {per_step('dispatch'):.3f} | "
+        f"{per_step('wait'):.3f} | {per_step('process'):.3f} | "
+        f"{per_step('schedule') + per_step('prepare') + per_step('dispatch') + per_step('process'):.3f} |",
+        "",
+        f"sampling inside the step (greedy, batch {r.get('num_prompts')}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
+    ]
+    if "device_s" in r:
+        lines.append(
+            f"device step (synchronous pass): {1e3 * r['device_s'] / steps:.3f} ms; device idle (host time not hidden) "
+            f"{100 * r['device_idle']:.1f}% of the async run; sync loop {r['sync_output_throughput']:,.0f} tokens/s; "
+            f"async == sync tokens: {r['identical_to_sync']}")
+    if "transformers" in r:
+        hf = r["transformers"]
+        lines.append(f"transformers {hf['version']} (torch {hf['torch']}) generate: {hf['output_throughput']:,.0f} "
+                     f"tokens/s; dcpjax / transformers = {r['ratio_vs_transformers']:.2f}x; "
+                     f"greedy tokens identical: {hf['greedy_tokens_match']}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    result = run(args)
+    print(json.dumps(result, indent=1) if args.json else report(result))
+    return 0

@@ -1,0 +1,104 @@
+"""What the host does with a step's sampled tokens: append, detokenize, stop, report.
+
+O(1) host work per token and sequence: the token goes onto the sequence's one token
+list, text grows through an incremental decoder, and stop strings are searched only
+in the new tail (plus the longest stop string's length - 1 characters before it).
+A row whose sequence already finished (a stop seen one step late under asynchronous
+scheduling, or an abort) is dropped, so no token leaks past a stop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
+from dcpjax.runner import StepResult
+from dcpjax.sequence import Sequence
+from dcpjax.tokenizer import decode_stream
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int]):
+        self.tokenizer, self.eos = tokenizer, frozenset(eos_token_ids)
+
+    def process(self, result: StepResult, finish: Callable[[Sequence], None]) -> list[Sequence]:
+        """Apply one step's samples; `finish(seq)` for each sequence that ends. Returns those."""
+        values = result.fetch()
+        finished = []
+        for i, row in enumerate(result.rows):
+            if not row.samples:
+                continue
+            seq = row.seq
+            seq.num_pending -= 1
+            if seq.finished:
+                continue  # stopped (or aborted) after this step was scheduled: drop its token
+            self.append(seq, int(values["tokens"][i]), values, i)
+            if seq.finished:
+                finish(seq)
+                finished.append(seq)
+        return finished
+
+    def append(self, seq: Sequence, token: int, values: dict[str, np.ndarray] | None = None, row: int = 0) -> None:
+        """Add one sampled token to `seq`: logprobs, text, stop checks."""
+        seq.token_ids.append(token)
+        params = seq.params
+        if params.logprobs is not None and values is not None and "logprobs" in values:
+            logprob = float(values["logprobs"][row])
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprob
+            entry = {token: Logprob(logprob, int(values["ranks"][row]), self._piece(token))}
+            for rank, (tid, lp) in enumerate(zip(values["top_ids"][row], values["top_logprobs"][row])):
+                if rank < params.logprobs and int(tid) not in entry:
+                    entry[int(tid)] = Logprob(float(lp), rank + 1, self._piece(int(tid)))
+            seq.logprobs.append(entry)
+        self._check_stop(seq, token)
+
+    def _piece(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.token_text(token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        if not params.ignore_eos and token in self.eos:
+            seq.finish_reason, seq.stop_reason = "stop", None
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        if seq.finished:  # EOS and stop token ids are not part of the text
+            self._final_text(seq, seq.output_ids[:-1])
+            return
+        if self.tokenizer is not None:
+            if seq.detokenizer is None:
+                seq.detokenizer, seq.text = decode_stream(self.tokenizer), ""
+            before = len(seq.text)
+            seq.text += seq.detokenizer.step(token)
+            if params.stop and (hit := _first_stop(seq.text, params.stop, before)) is not None:
+                at, stop = hit
+                seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+        if seq.length >= seq.max_total:
+            seq.finish_reason = "length"
+            self._final_text(seq, seq.output_ids)
+
+    def _final_text(self, seq: Sequence, ids: list[int]) -> None:
+        """The whole text decoded once at the end: exactly `tokenizer.decode`, whatever the
+        incremental decoder held back (an unfinished character, say)."""
+        if self.tokenizer is not None:
+            seq.text = self.tokenizer.decode(ids)
+
+    @staticmethod
+    def make_output(seq: Sequence) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0, text=seq.text, token_ids=seq.output_ids, cumulative_logprob=seq.cumulative_logprob,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+        )
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [completion], finished=seq.finished)
+
+
+def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:
+    """The earliest stop string that ends after `new_from` (text before it was searched already)."""
+    longest = max(len(s) for s in stops)
+    start = max(0, new_from - longest + 1)
+    hits = [(at, s) for s in stops if (at := text.find(s, start)) >= 0]
+    return min(hits) if hits else None

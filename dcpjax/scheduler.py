@@ -1,0 +1,199 @@
+"""Continuous batching: which sequences run this step, with how many tokens, in which blocks.
+
+Every step the scheduler fills one batch, first come first served:
+  1. running sequences, each with its next chunk (one token when decoding, up to the
+     token budget while prefilling), growing its KV blocks as it goes; when the cache
+     is full, the most recently admitted running sequence is preempted (its blocks
+     freed; it goes back to the head of the queue and later recomputes its prompt and
+     the tokens it already generated, so no request is lost and its outputs are the
+     same as if it had run alone);
+  2. waiting sequences, while rows, tokens and blocks remain.
+Block ids are shared by all DCP ranks (each rank holds its tokens of a block), so one
+allocator serves the replica.
+
+Asynchronous scheduling: the step in flight may still be sampling a sequence's next
+token when the next step is scheduled. Such a sequence (`num_pending` 1) decodes that
+token straight from the device (`ScheduledRow.device_input`); a sequence whose pending
+token will reach `max_total` is not scheduled again, and one that is found finished a
+step late has its extra row's result dropped by the output processor.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from dcpjax.sequence import Sequence
+from dcpjax.sharding import layout
+
+
+class BlockAllocator:
+    """Free list of physical block ids (each id is a block on every DCP rank)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free_ids = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self.free_ids):
+            raise RuntimeError(f"asked for {count} KV blocks, {len(self.free_ids)} free")
+        return [self.free_ids.pop() for _ in range(count)]
+
+    def free(self, ids: list[int]) -> None:
+        self.free_ids.extend(reversed(ids))
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    """One sequence's part of a step: tokens [start, start + count) of the sequence."""
+
+    seq: Sequence
+    start: int
+    count: int
+    samples: bool  # the chunk reaches the last known token: sample the next one
+    device_input: bool  # the one input token is the previous step's sample, still on the device
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """Prefill chunks and decode tokens run as two model calls: a decode row padded to a
+    prefill chunk would cost a whole chunk of compute."""
+
+    prefill: list[ScheduledRow]
+    decode: list[ScheduledRow]
+    preempted: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode)
+
+
+class Scheduler:
+    """Queues, KV blocks, device token slots and preemption (see the module docstring).
+
+    `block_tables` [max_num_seqs, blocks_per_seq] is the host copy of every running
+    sequence's block table, indexed by its slot, so a step's tables are one numpy gather.
+    """
+
+    def __init__(self, num_blocks: int, *, block_size: int, dcp: int, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int):
+        self.block_size, self.dcp = block_size, dcp
+        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
+        self.blocks_per_seq = layout.blocks_needed(max_model_len, block_size, dcp)
+        self.allocator = BlockAllocator(num_blocks)
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.block_tables = np.zeros((max_num_seqs, self.blocks_per_seq), np.int32)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # -- queues ------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished (or aborted) sequence out of the queues and free its blocks and slot."""
+        if seq.slot is not None:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass  # preempted and finished in the same step: already out
+        self._release(seq)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks in use."""
+        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
+
+    # -- blocks and slots ----------------------------------------------------------------------
+    def _grow(self, seq: Sequence, tokens: int) -> bool:
+        extra = layout.blocks_needed(tokens, self.block_size, self.dcp) - len(seq.blocks)
+        if extra > self.allocator.num_free:
+            return False
+        if extra > 0:
+            new = self.allocator.allocate(extra)
+            self.block_tables[seq.slot, len(seq.blocks) : len(seq.blocks) + extra] = new
+            seq.blocks += new
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.blocks)
+        seq.blocks = []
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            seq.slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- one step ------------------------------------------------------------------------------
+    def _row(self, seq: Sequence, count: int) -> ScheduledRow:
+        row = ScheduledRow(seq, seq.num_computed, count, samples=seq.num_computed + count == seq.num_tokens,
+                           device_input=seq.num_pending > 0)
+        seq.num_computed += count
+        if row.samples:
+            seq.num_pending += 1
+        return row
+
+    def schedule(self) -> SchedulerOutput:
+        """The rows of the next step; updates each scheduled sequence's progress."""
+        rows, budget, preempted = [], self.token_budget, 0
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            if seq.num_pending and seq.num_tokens >= seq.max_total:
+                index += 1  # its pending token ends it ("length"): nothing more to compute
+                continue
+            want = min(seq.num_tokens - seq.num_computed, budget)
+            if want <= 0:
+                index += 1
+                continue
+            while not self._grow(seq, seq.num_computed + want):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.slot is None:  # preempted itself: everything after it went first
+                break
+            rows.append(self._row(seq, want))
+            budget -= want
+            index += 1
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if seq.num_pending:
+                break  # preempted while its last token was in flight: admitted once it is read
+            want = min(seq.num_tokens - seq.num_computed, budget)
+            seq.slot = self.free_slots.pop()
+            if not self._grow(seq, seq.num_computed + want):
+                self.free_slots.append(seq.slot)
+                seq.slot = None
+                break  # first come first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(seq)
+            rows.append(self._row(seq, want))
+            budget -= want
+        prefill = [r for r in rows if r.count > 1 or not r.samples]
+        decode = [r for r in rows if r.count == 1 and r.samples]
+        return SchedulerOutput(prefill, decode, preempted)

@@ -1,0 +1,71 @@
+"""One request as the engine tracks it: its tokens, its KV blocks, how far it has got."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dcpjax.outputs import Logprob
+from dcpjax.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)  # identity, not field-by-field: queues look sequences up often
+class Sequence:
+    """A request: prompt and generated tokens in one list, plus the scheduler's bookkeeping.
+
+    `token_ids` holds the prompt followed by every generated token the host has read.
+    With asynchronous scheduling the tokens sampled by steps the host has not read yet are
+    still on the device: `num_pending` counts them (at most two: the step in flight and
+    the one just scheduled) and `num_tokens` includes them.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_total: int  # prompt + output tokens this sequence may reach
+    seed: int  # the request's seed, or one drawn from the LLM's seed
+    token_ids: list[int] = dataclasses.field(init=False)
+    num_prompt_tokens: int = dataclasses.field(init=False)
+    logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    cumulative_logprob: float | None = None  # only when logprobs are requested, as in vLLM
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    text: str | None = None
+    # scheduler state
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    slot: int | None = None  # row of the device-side token buffer while running
+    num_computed: int = 0  # tokens whose KV is in the cache (or written by the step in flight)
+    num_pending: int = 0  # sampled on the device, not yet read by the host
+    # output processor state
+    detokenizer: object | None = dataclasses.field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+        self.num_prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens, counting the one still on the device."""
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def length(self) -> int:
+        """Prompt + generated tokens the host has read."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens :]
+
+    def output_ids_since(self, start: int) -> list[int]:
+        """Generated tokens from output index `start` on (O(new tokens))."""
+        return self.token_ids[self.num_prompt_tokens + start :]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,101 @@
+"""The in-step sampler against a numpy oracle of vLLM's filters, and its bounded-candidate shortcut."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, sample, sampler_config
+
+VOCAB = 3000
+
+
+def rows_of(temperature, top_k, top_p, min_p, seeds, counters):
+    f = lambda x: jnp.asarray(np.asarray(x, np.float32))
+    i = lambda x: jnp.asarray(np.asarray(x, np.int32))
+    return SamplingRows(f(temperature), i(top_k), f(top_p), f(min_p), jnp.asarray(np.asarray(seeds, np.uint32)),
+                        i(counters))
+
+
+def kept_set(logits, temperature, top_k, top_p, min_p):
+    """numpy oracle: the tokens vLLM's filters keep (full sort of the vocabulary)."""
+    scaled = logits.astype(np.float64) / temperature
+    order = np.argsort(-scaled, kind="stable")
+    values = scaled[order]
+    k = top_k if top_k > 0 else len(values)
+    in_k = np.arange(len(values)) < k
+    probs = np.where(in_k, np.exp(values - values[0]), 0.0)
+    probs /= probs.sum()
+    before = np.cumsum(probs) - probs
+    keep = in_k & (before < top_p) & (probs >= min_p * probs[0])
+    keep[0] = True
+    return set(order[keep].tolist())
+
+
+def make_logits(seed, flat_rows=()):
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(6, VOCAB)).astype(np.float32) * 4
+    for r in flat_rows:  # nearly uniform: a top_p nucleus far wider than the candidates
+        logits[r] = rng.normal(size=VOCAB).astype(np.float32) * 0.01
+    return logits
+
+
+# rows: greedy, top_k, peaked top_p, flat top_p (falls back to the whole vocabulary), min_p, temperature only
+ROWS = dict(temperature=[0.0, 0.8, 1.0, 1.0, 1.3, 0.7], top_k=[0, 20, 0, 0, 0, 0], top_p=[1, 1, 0.6, 0.9, 1, 1],
+            min_p=[0, 0, 0, 0, 0.2, 0])
+
+
+def test_bounded_candidates_give_the_same_tokens_as_sorting_everything():
+    logits = jnp.asarray(make_logits(0, flat_rows=(3,)))
+    for counter in range(20):
+        rows = rows_of(**ROWS, seeds=[7] * 6, counters=[counter] * 6)
+        fast = sample(logits, rows, SamplerConfig(False, 64, None)).tokens
+        full = sample(logits, rows, SamplerConfig(False, VOCAB, None)).tokens
+        np.testing.assert_array_equal(np.asarray(fast), np.asarray(full))
+
+
+def test_draws_stay_inside_the_oracles_kept_set():
+    logits = make_logits(1, flat_rows=(3,))
+    draws = {r: set() for r in range(6)}
+    for counter in range(60):
+        rows = rows_of(**ROWS, seeds=[3] * 6, counters=[counter] * 6)
+        tokens = np.asarray(sample(jnp.asarray(logits), rows, SamplerConfig(False, 64, None)).tokens)
+        for r, t in enumerate(tokens):
+            draws[r].add(int(t))
+    assert draws[0] == {int(np.argmax(logits[0]))}  # greedy
+    for r in range(1, 6):
+        oracle = kept_set(logits[r], ROWS["temperature"][r], ROWS["top_k"][r], ROWS["top_p"][r], ROWS["min_p"][r])
+        assert draws[r] <= oracle, r
+        assert len(draws[r]) > 1  # actually random
+
+
+def test_logprobs_only_when_asked_and_match_log_softmax():
+    logits = make_logits(2)
+    rows = rows_of(**ROWS, seeds=[1] * 6, counters=[0] * 6)
+    assert sample(jnp.asarray(logits), rows, SamplerConfig(False, 64, None)).logprobs is None
+    out = sample(jnp.asarray(logits), rows, SamplerConfig(False, 64, 4))
+    want = jax.nn.log_softmax(jnp.asarray(logits, jnp.float64 if jax.config.x64_enabled else jnp.float32))
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(want)[np.arange(6), tokens], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.top_ids)[:, 0], np.argmax(logits, axis=1))
+    assert int(out.ranks[0]) == 1
+
+
+def test_sampler_config_is_a_small_static_key():
+    greedy = SamplingParams(temperature=0)
+    assert sampler_config([greedy, greedy], VOCAB) == SamplerConfig(True, 0, None)
+    assert sampler_config([greedy, SamplingParams(temperature=1.0)], VOCAB) == SamplerConfig(False, 0, None)
+    assert sampler_config([SamplingParams(top_k=50)], VOCAB).candidates == 64
+    assert sampler_config([SamplingParams(top_p=0.9), SamplingParams(top_k=300)], VOCAB).candidates == 512
+    assert sampler_config([SamplingParams(top_k=5000)], VOCAB).candidates == VOCAB
+    assert sampler_config([SamplingParams(logprobs=3), greedy], VOCAB).num_top == 4
+    assert sampler_config([SamplingParams(temperature=0, top_k=5)], VOCAB).candidates == 0  # greedy ignores top_k
+
+
+@pytest.mark.parametrize("counter", [0, 5])
+def test_a_seeded_draw_depends_on_seed_and_counter_only(counter):
+    logits = make_logits(3)
+    one = rows_of(**{k: v[2:3] for k, v in ROWS.items()}, seeds=[11], counters=[counter])
+    alone = int(sample(jnp.asarray(logits[2:3]), one, SamplerConfig(False, 64, None)).tokens[0])
+    batch = rows_of(**ROWS, seeds=[5, 5, 11, 5, 5, 5], counters=[1, 2, counter, 3, 4, 5])
+    assert int(sample(jnp.asarray(logits), batch, SamplerConfig(False, 64, None)).tokens[2]) == alone
