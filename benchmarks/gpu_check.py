@@ -109,13 +109,17 @@ def run_model_check(num_prompts=32, input_len=64, output_len=128):
                for i in range(num_prompts)]
     params = dcpjax.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     rows, ids = [], {}
+    import jax
+
     for backend in ("pallas", "reference"):
-        llm = dcpjax.LLM("tiny-llama", dtype="float32", attention_backend=backend,
-                         kv_cache_memory_bytes=256 << 20, max_model_len=512)
-        llm.generate(prompts[:2], dcpjax.SamplingParams(temperature=0.0, max_tokens=8))  # compile
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
+        # full float32 dots on both sides (XLA's default on GPU is TF32 for float32 matmuls)
+        with jax.default_matmul_precision("highest"):
+            llm = dcpjax.LLM("tiny-llama", dtype="float32", attention_backend=backend,
+                             kv_cache_memory_bytes=256 << 20, max_model_len=512, max_num_seqs=num_prompts)
+            llm.generate(prompts, params)  # compiles every shape of the workload
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
         ids[backend] = [o.outputs[0].token_ids for o in outs]
         tokens = sum(len(t) for t in ids[backend])
         rows.append(dict(backend=backend, tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds))
@@ -139,7 +143,11 @@ def main(argv=None):
     iters = 2 if args.cpu_smoke else args.iters
     device = jax.devices()[0]
     print(f"jax {jax.__version__} on {device.device_kind} ({platform}), {time.strftime('%Y-%m-%d')}")
-    rows = [run_case(n, c, d, args.cpu_smoke, iters) for n, c in cases.items() for d in ("bfloat16", "float32")]
+    rows = []
+    for name, case in cases.items():
+        for dtype in ("bfloat16", "float32"):
+            rows.append(run_case(name, case, dtype, args.cpu_smoke, iters))
+            print(f"{name} {dtype}: {'PASS' if rows[-1]['passed'] else 'FAIL'}", flush=True)  # which case, if one fails
     lines = [
         "| case | dtype | context x batch | KV MiB | max abs err out / lse (tol) | empty seq ok | kernel us | kernel GB/s | reference GB/s | copy GB/s (r+w) | kernel / copy |",
         "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|",

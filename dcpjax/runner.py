@@ -201,24 +201,28 @@ class ModelRunner:
         """Pack a step's rows into one int32 array on the mesh (one transfer).
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
-        Returns (packed [B, T + P + NUM_META] replicated, T, sampler config).
+        Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config).
         """
         batch, chunk = _pow2_at_least(len(rows)), _pow2_at_least(max(r.count for r in rows))
         width = min(block_tables.shape[1], _pow2_at_least(max(len(r.seq.blocks) for r in rows)))
         packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
+        n = len(rows)
         meta = packed[:, chunk + width :]
         meta[:, SLOT] = self.max_num_seqs  # padding rows: no slot
-        slots = np.fromiter((r.seq.slot for r in rows), np.int32, len(rows))
-        packed[: len(rows), chunk : chunk + width] = block_tables[slots, :width]
+        column = lambda values: np.fromiter(values, np.int32, n)
+        meta[:n, START] = column(r.start for r in rows)
+        meta[:n, COUNT] = column(r.count for r in rows)
+        meta[:n, SLOT] = slots = column(r.seq.slot for r in rows)
+        meta[:n, DEVICE_INPUT] = column(r.device_input for r in rows)
+        meta[:n, SAMPLES] = column(r.samples for r in rows)
+        meta[:n, TEMPERATURE:COUNTER] = np.stack([_sampling_meta(r.seq) for r in rows])
+        meta[:n, COUNTER] = column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows)  # the draw's index
+        packed[:n, chunk : chunk + width] = block_tables[slots, :width]
         for i, row in enumerate(rows):
-            seq = row.seq
-            if not row.device_input:
-                packed[i, : row.count] = seq.token_ids[row.start : row.start + row.count]
-            meta[i, :SAMPLES + 1] = (row.start, row.count, seq.slot, row.device_input, row.samples)
-            meta[i, TEMPERATURE:COUNTER] = _sampling_meta(seq)
-            meta[i, COUNTER] = seq.num_tokens - 1 - seq.num_prompt_tokens  # the draw's index
+            if not row.device_input:  # prefill chunks, and a first token after a preemption
+                packed[i, : row.count] = row.seq.token_ids[row.start : row.start + row.count]
         config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
-        return jax.device_put(packed, self.replicated), chunk, config
+        return packed, chunk, config  # numpy: the jitted step transfers it (one copy, C++ path)
 
     def launch(self, rows: list[ScheduledRow], packed: jax.Array, chunk: int, config: SamplerConfig) -> StepResult:
         """Dispatch the step (returns at once; the device runs it) and start copying its output home."""

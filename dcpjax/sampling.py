@@ -1,10 +1,13 @@
 """Sampling parameters (vLLM's names) and the batched sampler that runs inside the model step.
 
-The sampler never sorts the whole vocabulary unless a row needs it: greedy rows are an
-argmax; temperature and min_p are elementwise masks; top_k / top_p rows look at the
-`candidates` best tokens (`lax.top_k`) and fall back to the whole vocabulary (under a
-`lax.cond`, so only when it happens) if a nucleus may reach beyond them. Every draw's
-key depends only on (seed, counter): a seeded request reproduces whatever the batch.
+The sampler never sorts the whole vocabulary: greedy rows are an argmax; temperature
+and min_p are elementwise masks; top_k / top_p rows look at the `candidates` best tokens
+(`lax.top_k`) and draw among them; a nucleus that reaches past them (a flat
+distribution) is found by bisection on the cutoff logit over the whole vocabulary (32
+masked sums) and drawn from there, under a `lax.cond`, so only when it happens. Tokens whose logits tie at the cutoff are kept or
+dropped together. Every draw's key depends only on (seed, counter): a seeded request
+reproduces whatever the batch: the Gumbel noise of a draw is a hash of (key, token id),
+so it does not depend on the batch, the number of candidates, or which path was taken.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ class SamplerConfig(NamedTuple):
     num_top: int | None = None
 
 
-MIN_CANDIDATES = 256  # top_p rows: nuclei wider than this fall back to the whole vocabulary
+MIN_CANDIDATES = 256  # top_p rows: nuclei wider than this are found by bisection instead
 
 
 def _pow2_at_least(n: int) -> int:
@@ -120,7 +123,7 @@ def _nucleus_cutoff(scaled, top_k, top_p, candidates: int):
     """Per row, the smallest scaled logit that top_k and top_p keep (-inf: they keep all),
     looking at the best `candidates` tokens only; and whether that was not enough."""
     vocab = scaled.shape[-1]
-    values, _ = jax.lax.top_k(scaled, candidates)  # [B, K], descending
+    values, ids = jax.lax.top_k(scaled, candidates)  # [B, K], descending
     rank = jnp.arange(candidates)[None, :]
     in_k = rank < jnp.where(top_k > 0, top_k, vocab)[:, None]
     # top_p is measured on the top_k-renormalised distribution (as vLLM does)
@@ -134,7 +137,59 @@ def _nucleus_cutoff(scaled, top_k, top_p, candidates: int):
     cutoff = jnp.where(filtered, cutoff, -jnp.inf)
     # every candidate kept and the nucleus still open: tokens past the candidates may belong
     too_few = filtered & keep[:, -1] & (top_k <= 0) & (candidates < vocab)
-    return cutoff, too_few
+    return cutoff, too_few, values, ids
+
+
+def _fmix32(x):
+    """murmur3's 32-bit finaliser: a bijective avalanche mix of uint32 values."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _gumbel_noise(key_bits, token_ids):
+    """Gumbel noise for each (draw key, token id): [B, 2] uint32 keys, [B, N] ids -> [B, N].
+
+    A function of the token id, not of its position in some array, so drawing among a
+    row's candidates and drawing from the whole vocabulary pick the same token
+    (argmax of logit + noise over the kept tokens) whatever the number of candidates.
+    """
+    ids = token_ids.astype(jnp.uint32)
+    x = _fmix32(ids * jnp.uint32(0x9E3779B9) ^ key_bits[:, :1])
+    x = _fmix32(x ^ key_bits[:, 1:2])
+    uniform = ((x >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -jnp.log(-jnp.log(uniform))
+
+
+def _sortable(x):
+    """float32 -> int32 keys in the same order (flip the magnitude bits of negatives)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _unsortable(key):
+    return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def _bisect_top_p_cutoff(scaled, top_p):
+    """Per row, the smallest logit t with mass(scaled > t) < top_p, by bisection on t's
+    float ordering over the whole vocabulary (no sort): [B, V] -> [B]."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    best = jnp.max(scaled, axis=-1)
+    low = _sortable(jnp.full_like(best, -jnp.inf))  # mass above -inf is 1 >= top_p: not a cutoff
+    high = _sortable(best)  # mass above the best token is 0 < top_p: a cutoff
+
+    def halve(_, bounds):
+        low, high = bounds
+        mid = (low >> 1) + (high >> 1) + (low & high & 1)  # no int32 overflow
+        above = jnp.sum(jnp.where(scaled > _unsortable(mid)[:, None], probs, 0.0), axis=-1)
+        ok = above < top_p
+        return jnp.where(ok, low, mid), jnp.where(ok, mid, high)
+
+    low, high = jax.lax.fori_loop(0, 32, halve, (low, high))
+    return _unsortable(high)
 
 
 def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Sampled:
@@ -152,18 +207,34 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
         scaled = logits / jnp.where(greedy, 1.0, rows.temperature)[:, None]
         best = jnp.max(scaled, axis=-1)
         cutoff = jnp.where(rows.min_p > 0, best + jnp.log(jnp.maximum(rows.min_p, 1e-30)), -jnp.inf)
-        if config.candidates:
-            vocab = logits.shape[-1]
-            nucleus, too_few = _nucleus_cutoff(scaled, rows.top_k, rows.top_p, config.candidates)
-            nucleus = jax.lax.cond(  # the whole vocabulary only when some row needs it
-                jnp.any(too_few & ~greedy),
-                lambda: _nucleus_cutoff(scaled, rows.top_k, rows.top_p, vocab)[0],
-                lambda: nucleus,
+        key_bits = jax.vmap(lambda seed, count: jax.random.bits(jax.random.fold_in(jax.random.key(seed), count), (2,)))(
+            rows.seeds, rows.counters)  # [B, 2] uint32: the draw's key
+
+        def draw_from_vocabulary(cutoff):
+            masked = jnp.where(scaled >= jnp.minimum(cutoff, best)[:, None], scaled, -jnp.inf)
+            ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
+            return jnp.argmax(masked + _gumbel_noise(key_bits, ids), axis=-1).astype(jnp.int32)
+
+        if not config.candidates:
+            drawn = draw_from_vocabulary(cutoff)
+        else:
+            # A row whose kept set lies inside its candidates draws among them (K values, not
+            # V); the others draw from the whole vocabulary, under a cond so that this costs
+            # only when some row needs it. Which draw a row gets depends on that row alone,
+            # so a seeded request still reproduces whatever shares its batch.
+            nucleus, too_few, values, ids = _nucleus_cutoff(scaled, rows.top_k, rows.top_p, config.candidates)
+            filtered = (rows.top_k > 0) | (rows.top_p < 1)
+            inside = filtered & ~too_few
+            kept = jnp.minimum(jnp.maximum(cutoff, nucleus), best)[:, None]
+            noisy = jnp.where(values >= kept, values, -jnp.inf) + _gumbel_noise(key_bits, ids)
+            among = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=1)[:, 0]
+            drawn = jax.lax.cond(
+                jnp.any(~inside & ~greedy),
+                lambda: draw_from_vocabulary(jnp.maximum(
+                    cutoff, jnp.where(too_few, _bisect_top_p_cutoff(scaled, rows.top_p), nucleus))),
+                lambda: jnp.zeros_like(among),
             )
-            cutoff = jnp.maximum(cutoff, nucleus)
-        masked = jnp.where(scaled >= jnp.minimum(cutoff, best)[:, None], scaled, -jnp.inf)
-        keys = jax.vmap(lambda seed, count: jax.random.fold_in(jax.random.key(seed), count))(rows.seeds, rows.counters)
-        drawn = jax.vmap(jax.random.categorical)(keys, masked).astype(jnp.int32)
+            drawn = jnp.where(inside, among.astype(jnp.int32), drawn)
         tokens = jnp.where(greedy, greedy_tokens, drawn)
     if config.num_top is None:
         return Sampled(tokens)

@@ -96,6 +96,16 @@ def test_sampler_config_is_a_small_static_key():
 def test_a_seeded_draw_depends_on_seed_and_counter_only(counter):
     logits = make_logits(3)
     one = rows_of(**{k: v[2:3] for k, v in ROWS.items()}, seeds=[11], counters=[counter])
-    alone = int(sample(jnp.asarray(logits[2:3]), one, SamplerConfig(False, 64, None)).tokens[0])
+    alone = int(sample(jnp.asarray(logits[2:3]), one, SamplerConfig(False, 8, None)).tokens[0])  # fewer candidates
     batch = rows_of(**ROWS, seeds=[5, 5, 11, 5, 5, 5], counters=[1, 2, counter, 3, 4, 5])
     assert int(sample(jnp.asarray(logits), batch, SamplerConfig(False, 64, None)).tokens[2]) == alone
+
+
+def test_draw_frequencies_follow_the_distribution():
+    """The hashed Gumbel noise samples softmax(logits / T): 4,000 draws of a 4-token row."""
+    probs = np.array([0.1, 0.2, 0.3, 0.4])
+    logits = jnp.asarray(np.tile(np.log(probs).astype(np.float32), (4000, 1)))
+    n = 4000
+    rows = rows_of([1.0] * n, [0] * n, [1.0] * n, [0.0] * n, seeds=[9] * n, counters=list(range(n)))
+    tokens = np.asarray(sample(logits, rows, SamplerConfig(False, 0, None)).tokens)
+    np.testing.assert_allclose(np.bincount(tokens, minlength=4) / n, probs, atol=0.025)

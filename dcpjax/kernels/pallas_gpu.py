@@ -32,6 +32,17 @@ def pow2_chunks(size: int) -> tuple[tuple[int, int], ...]:
     return tuple(chunks)
 
 
+def rows_per_program(rows: int, dk: int, dv: int, max_elements: int = 16384) -> int:
+    """Query rows one program holds: its q tile [r, dk] sits in shared memory (the dot's
+    A operand, loaded once) and its f32 accumulator [r, dv] in registers, so r * max(dk, dv)
+    is capped (16384 elements: 64 KiB of f32 q; 128 f32 registers a thread at 4 warps).
+    Power of two, >= 16 (tensor-core dots). MLA's 128 rows x 576 -> 16; GQA's 16 x 128 -> 16."""
+    r = rows
+    while r > 16 and r * max(dk, dv) > max_elements:
+        r //= 2
+    return r
+
+
 def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -> int:
     if interpret:
         return 1  # a CPU core gains nothing from more programs
@@ -41,13 +52,14 @@ def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -
 
 def _gpu_kernel(
     lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
-    sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled,
+    sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
     """q_ref [rows, dk]; k_ref [N, bs, Hkv, dk]; v_ref [N, bs, Hkv, dv] (unused if v_from_k);
     if scaled (fp8 cache): ks_ref, vs_ref [N, bs, Hkv] per-token dequantisation scales;
     tables_ref [B, P]; lengths_ref [B]; out_ref [rows, dv] f32; lse_ref [rows] f32."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
-    seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq, split = pl.program_id(0), pl.program_id(2)
+    head = pl.program_id(1) // row_blocks  # axis 1 walks (KV head, block of query rows)
     length = lengths_ref[seq]
     first_page = split * pages_per_split
     num_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_split)
@@ -106,7 +118,9 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
     """
     batch, kv_heads, rows, dk = qg.shape
     block_size, pages = k.shape[1], block_tables.shape[1]
-    splits = max(1, min(num_splits or default_num_splits(batch, kv_heads, pages, interpret), pages))
+    block_rows = rows_per_program(rows, dk, dv)
+    row_blocks = rows // block_rows
+    splits = max(1, min(num_splits or default_num_splits(batch, kv_heads * row_blocks, pages, interpret), pages))
     pages_per_split = pl.cdiv(pages, splits)
     k_chunks, v_chunks = pow2_chunks(dk), pow2_chunks(dv)
     v_from_k = v is None and k_chunks[: len(v_chunks)] == v_chunks  # MLA: reuse K's loaded latent
@@ -117,7 +131,7 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
     scales = [k_scale, k_scale if v_scale is None else v_scale] if scaled else []
     kernel = functools.partial(
         _gpu_kernel, sm_scale=sm_scale, block_size=block_size, pages_per_split=pages_per_split,
-        k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled,
+        k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled, row_blocks=row_blocks,
     )
     compiler_params = None
     if not interpret:  # Triton, not Mosaic GPU: it lowers this kernel on jax 0.10 - 0.12 alike
@@ -126,17 +140,17 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
         compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
     partial_out, partial_lse = pl.pallas_call(
         kernel,
-        grid=(batch, kv_heads, splits),
+        grid=(batch, kv_heads * row_blocks, splits),
         in_specs=[
             whole(lengths.shape),
             whole(block_tables.shape),
-            pl.BlockSpec((None, None, rows, dk), lambda b, h, s: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, block_rows, dk), lambda b, g, s: (b, g // row_blocks, g % row_blocks, 0)),
             whole(k.shape),
             whole(values.shape),
         ] + [whole(x.shape) for x in scales],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, dv), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, block_rows, dv), lambda b, g, s: (b, g // row_blocks, s, g % row_blocks, 0)),
+            pl.BlockSpec((None, None, None, block_rows), lambda b, g, s: (b, g // row_blocks, s, g % row_blocks)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, kv_heads, splits, rows, dv), jnp.float32),
