@@ -67,9 +67,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     flat = rng.normal(size=(args.batch, args.vocab)).astype(np.float32) * 3
-    peaked = flat.copy()
-    for row in peaked:  # a few dozen likely tokens, Zipf-like
-        row[rng.choice(args.vocab, 40, replace=False)] += 14 - 2 * np.log1p(np.arange(40))
+    peaked = rng.normal(size=(args.batch, args.vocab)).astype(np.float32)
+    for row in peaked:  # a few dozen likely tokens, Zipf-like: the nucleus fits the candidates
+        row[rng.choice(args.vocab, 40, replace=False)] += 24 - 2 * np.log1p(np.arange(40))
     peaked, flat = jnp.asarray(peaked), jnp.asarray(flat)
     greedy, top_p = SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.95)
     mixes = {"all greedy": ([greedy] * args.batch, peaked),

@@ -168,7 +168,7 @@ def test_metrics_present(server):
 def test_bench_serve_reports_latency_and_kv_usage(server):
     from dcpjax.bench.client import run_benchmark
 
-    result = asyncio.run(run_benchmark(server, MODEL, input_len=48, output_len=8, num_prompts=12,
+    result = asyncio.run(run_benchmark(server, MODEL, input_len=48, output_len=24, num_prompts=12,
                                        max_concurrency=6, api_key=API_KEY, progress=False))
     assert (result["completed"], result["failed"]) == (12, 0)
     for metric in ("ttft", "tpot", "itl"):
