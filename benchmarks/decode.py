@@ -29,9 +29,9 @@ import numpy as np  # noqa: E402
 import dcpjax  # noqa: E402
 
 
-def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int) -> dict:
+def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int, max_model_len: int | None = None) -> dict:
     llm = dcpjax.LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     kv_cache_memory_bytes=256 << 20, max_model_len=context + steps + 8, max_num_seqs=batch,
+                     kv_cache_memory_bytes=256 << 20, max_model_len=max_model_len or context + steps + 8, max_num_seqs=batch,
                      max_num_batched_tokens=1024)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 256, context).tolist()} for _ in range(batch)]
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--max-model-len", type=int, help="default: context + steps + 8; larger shows that a step "
+                   "reads only the blocks its sequences reach")
     args = p.parse_args(argv)
     print(f"{args.model}, TP {args.tp}, batch {args.batch}, {args.steps} greedy steps, 8 fake CPU devices, "
           f"{time.strftime('%Y-%m-%d')}\n")
@@ -71,7 +73,7 @@ def main(argv=None) -> int:
     for context in args.contexts:
         base = None
         for dcp in args.dcp:
-            r = run(args.model, args.tp, dcp, context, args.batch, args.steps)
+            r = run(args.model, args.tp, dcp, context, args.batch, args.steps, args.max_model_len)
             base = base or r
             print(f"| {context:,} | {dcp} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | "
                   f"{base['step_ms'] / r['step_ms']:.2f}x | {r['kv_tokens']:,} |", flush=True)

@@ -25,6 +25,7 @@ def main(argv=None) -> int:
     p.add_argument("-tp", type=int, default=1)
     p.add_argument("-dcp", type=int, default=1)
     p.add_argument("--num-cpu-devices", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, help="default: input + output + 1 (larger: tables wider than needed)")
     args = p.parse_args(argv)
     from dcpjax.devices import use_cpu_devices
 
@@ -34,7 +35,8 @@ def main(argv=None) -> int:
     import dcpjax
 
     llm = dcpjax.LLM(args.model, tensor_parallel_size=args.tp, decode_context_parallel_size=args.dcp,
-                     max_model_len=args.input_len + args.output_len + 1, max_num_seqs=args.num_prompts,
+                     max_model_len=args.max_model_len or args.input_len + args.output_len + 1,
+                     max_num_seqs=args.num_prompts,
                      max_num_batched_tokens=4096, kv_cache_memory_bytes=256 << 20)
     rng = np.random.default_rng(0)
     vocab = llm.model_config.vocab_size
@@ -45,7 +47,8 @@ def main(argv=None) -> int:
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(json.dumps(dict(model=args.model, tp=args.tp, dcp=args.dcp, output_tokens=tokens, seconds=round(seconds, 3),
+    print(json.dumps(dict(model=args.model, tp=args.tp, dcp=args.dcp, input_len=args.input_len,
+                          max_model_len=llm.max_model_len, output_tokens=tokens, seconds=round(seconds, 3),
                           output_throughput=round(tokens / seconds, 1))))
     return 0
 
