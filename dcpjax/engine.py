@@ -83,6 +83,14 @@ class Engine:
         seq.finish_reason = "abort"
         return True
 
+    def abort_all(self) -> None:
+        """Abort every request and drop the steps in flight (after an error or an interrupt
+        inside `step`, whose state is then not to be trusted): every block and slot is free."""
+        self.in_flight.clear()
+        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+            self.scheduler.finish(seq)
+            seq.finish_reason, seq.num_pending = "abort", 0
+
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
@@ -133,10 +141,14 @@ class Engine:
         """Add the sequences and step until the engine is idle (offline generation)."""
         for seq in sequences:
             self.add(seq)
-        while self.has_work():
-            for seq in self.step().finished:
-                if on_finish is not None:
-                    on_finish(seq)
+        try:
+            while self.has_work():
+                for seq in self.step().finished:
+                    if on_finish is not None:
+                        on_finish(seq)
+        except BaseException:  # an error or Ctrl-C mid-step: leave a clean engine for the next call
+            self.abort_all()
+            raise
 
     def output(self, seq: Sequence) -> RequestOutput:
         return self.processor.make_output(seq)

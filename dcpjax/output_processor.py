@@ -82,9 +82,12 @@ class OutputProcessor:
 
     def _final_text(self, seq: Sequence, ids: list[int]) -> None:
         """The whole text decoded once at the end: exactly `tokenizer.decode`, whatever the
-        incremental decoder held back (an unfinished character, say)."""
+        incremental decoder held back (an unfinished character, say), as long as it only
+        extends what may already have been streamed (after a decoder restart it might not)."""
         if self.tokenizer is not None:
-            seq.text = self.tokenizer.decode(ids)
+            full = self.tokenizer.decode(ids)
+            if seq.text is None or full.startswith(seq.text):
+                seq.text = full
 
     @staticmethod
     def make_output(seq: Sequence) -> RequestOutput:

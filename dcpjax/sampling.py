@@ -158,8 +158,13 @@ def _gumbel_noise(key_bits, token_ids):
     """
     ids = token_ids.astype(jnp.uint32)
     x = _fmix32(ids * jnp.uint32(0x9E3779B9) ^ key_bits[:, :1])
-    x = _fmix32(x ^ key_bits[:, 1:2])
-    uniform = ((x >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return _gumbel_from_bits(_fmix32(x ^ key_bits[:, 1:2]))
+
+
+def _gumbel_from_bits(x):
+    """uint32 -> Gumbel noise, always finite: 23 bits make a uniform in (0, 1) that float32
+    holds exactly ((2**23 - 1 + 0.5) / 2**23 < 1; with 24 bits it rounds to 1.0 -> +inf)."""
+    uniform = ((x >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
     return -jnp.log(-jnp.log(uniform))
 
 
@@ -211,9 +216,9 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
             rows.seeds, rows.counters)  # [B, 2] uint32: the draw's key
 
         def draw_from_vocabulary(cutoff):
-            masked = jnp.where(scaled >= jnp.minimum(cutoff, best)[:, None], scaled, -jnp.inf)
             ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
-            return jnp.argmax(masked + _gumbel_noise(key_bits, ids), axis=-1).astype(jnp.int32)
+            keep = scaled >= jnp.minimum(cutoff, best)[:, None]  # masked after the noise: never -inf + noise
+            return jnp.argmax(jnp.where(keep, scaled + _gumbel_noise(key_bits, ids), -jnp.inf), axis=-1).astype(jnp.int32)
 
         if not config.candidates:
             drawn = draw_from_vocabulary(cutoff)
@@ -226,7 +231,7 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
             filtered = (rows.top_k > 0) | (rows.top_p < 1)
             inside = filtered & ~too_few
             kept = jnp.minimum(jnp.maximum(cutoff, nucleus), best)[:, None]
-            noisy = jnp.where(values >= kept, values, -jnp.inf) + _gumbel_noise(key_bits, ids)
+            noisy = jnp.where(values >= kept, values + _gumbel_noise(key_bits, ids), -jnp.inf)
             among = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=1)[:, 0]
             drawn = jax.lax.cond(
                 jnp.any(~inside & ~greedy),

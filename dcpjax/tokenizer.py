@@ -84,15 +84,34 @@ class _ByteStream:
 
 
 class _HFStream:
-    """tokenizers' DecodeStream: text appears as soon as it can no longer change."""
+    """tokenizers' DecodeStream: text appears as soon as it can no longer change.
+
+    DecodeStream raises "Invalid prefix encountered" when decoding stops being monotonic
+    (byte-fallback tokens forming invalid UTF-8, say); the stream then restarts from the
+    last few tokens as context, as vLLM does, instead of failing the request."""
+
+    CONTEXT = 6
 
     def __init__(self, tokenizer):
+        self.tokenizer, self.ids = tokenizer, []
+        self.stream = self._new_stream(None)
+
+    @staticmethod
+    def _new_stream(ids):
         from tokenizers.decoders import DecodeStream
 
-        self.tokenizer, self.stream = tokenizer, DecodeStream(skip_special_tokens=True)
+        return DecodeStream(ids=ids, skip_special_tokens=True) if ids else DecodeStream(skip_special_tokens=True)
 
     def step(self, token_id: int) -> str:
-        return self.stream.step(self.tokenizer, token_id) or ""
+        try:
+            text = self.stream.step(self.tokenizer, token_id)
+        except Exception as err:  # tokenizers raises a bare Exception here
+            if "Invalid prefix encountered" not in str(err):
+                raise
+            self.stream = self._new_stream(self.ids[-self.CONTEXT :])
+            text = self.stream.step(self.tokenizer, token_id)
+        self.ids.append(token_id)
+        return text or ""
 
 
 def decode_stream(tokenizer):

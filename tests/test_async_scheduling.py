@@ -111,3 +111,26 @@ def test_preemption_under_async_loses_nothing_and_frees_every_block(base):
     assert ids(outs) == base
     assert tight.engine.allocator.num_free == tight.engine.allocator.num_blocks
     assert sorted(tight.engine.scheduler.free_slots) == list(range(8))
+
+
+def test_an_error_mid_step_leaves_a_clean_engine(llm, base):
+    """An exception (or Ctrl-C) inside a step aborts what was in flight; the next call works."""
+    runner = llm.runner
+    launch, calls = runner.launch, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("injected")
+        return launch(*args, **kwargs)
+
+    runner.launch = failing
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    finally:
+        runner.launch = launch
+    engine = llm.engine
+    assert not engine.has_work() and engine.allocator.num_free == engine.allocator.num_blocks
+    assert sorted(engine.scheduler.free_slots) == list(range(8))
+    assert ids(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))) == base

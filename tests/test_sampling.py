@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, sample, sampler_config
+from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, _gumbel_from_bits, sample, sampler_config
 
 VOCAB = 3000
 
@@ -109,3 +109,10 @@ def test_draw_frequencies_follow_the_distribution():
     rows = rows_of([1.0] * n, [0] * n, [1.0] * n, [0.0] * n, seeds=[9] * n, counters=list(range(n)))
     tokens = np.asarray(sample(logits, rows, SamplerConfig(False, 0, None)).tokens)
     np.testing.assert_allclose(np.bincount(tokens, minlength=4) / n, probs, atol=0.025)
+
+
+def test_gumbel_noise_is_finite_at_the_extremes():
+    """An infinite noise value would pick its token whatever the filters (-inf + inf = NaN wins argmax)."""
+    bits = jnp.asarray(np.array([0, 1, 2**31, 2**32 - 512, 2**32 - 1], np.uint32))
+    noise = np.asarray(_gumbel_from_bits(bits))
+    assert np.all(np.isfinite(noise)), noise

@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dcpjax
-from dcpjax.tokenizer import HFTokenizer
+from dcpjax.tokenizer import HFTokenizer, decode_stream
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 PARAMS = dcpjax.SamplingParams(temperature=0, max_tokens=8)
@@ -82,3 +82,36 @@ def test_bfloat16_weights_on_cpu():
     expected = json.loads((FIXTURES / "qwen3" / "expected.json").read_text())["cases"][1]
     out = llm.generate({"prompt_token_ids": expected["prompt"]}, PARAMS)[0].outputs[0]
     assert out.token_ids[:2] == expected["greedy"][:2]  # bf16 weights: the first tokens still agree
+
+
+def test_incremental_detokenization_matches_decode(tmp_path):
+    """The streamed text is what `decode` gives, token by token (a partial character waits)."""
+    write_tokenizer(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    rng = np.random.default_rng(0)
+    words = ["hello", " world", ",", " decode", " context", " KV", " cache", " é", "✓"]
+    for _ in range(10):
+        ids = tokenizer.encode("".join(rng.choice(words, 12)), add_special_tokens=False)
+        stream = decode_stream(tokenizer)
+        pieces = [stream.step(i) for i in ids]
+        for n in range(1, len(ids) + 1):
+            assert tokenizer.decode(ids[:n]).startswith("".join(pieces[:n]))
+        assert "".join(pieces) == tokenizer.decode(ids)
+
+
+def test_decode_stream_restarts_after_an_invalid_prefix(tmp_path):
+    """tokenizers raises "Invalid prefix encountered" on non-monotonic decoding; the stream
+    restarts from its last tokens instead of failing the request."""
+    write_tokenizer(tmp_path)
+    tokenizer = HFTokenizer(tmp_path)
+    ids = tokenizer.encode("hello world, decode", add_special_tokens=False)
+    stream = decode_stream(tokenizer)
+    text = stream.step(ids[0])
+
+    class Broken:
+        def step(self, *args):
+            raise Exception("Invalid prefix encountered while decoding")
+
+    stream.stream = Broken()
+    text += "".join(stream.step(i) for i in ids[1:])
+    assert text == "hello world, decode"

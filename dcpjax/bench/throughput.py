@@ -150,7 +150,7 @@ def run(args) -> dict:
         elapsed_s=main["seconds"], output_tokens=main["output_tokens"],
         output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
-        sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs),
+        sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
     )
     if not args.no_breakdown:
         sync = _timed_generate(llm, prompts, params, False)
@@ -186,7 +186,7 @@ def report(r: dict) -> str:
         f"{per_step('wait'):.3f} | {per_step('process'):.3f} | "
         f"{per_step('schedule') + per_step('prepare') + per_step('dispatch') + per_step('process'):.3f} |",
         "",
-        f"sampling inside the step (greedy, batch {r.get('num_prompts')}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
+        f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
     ]
     if "device_s" in r:
         lines.append(

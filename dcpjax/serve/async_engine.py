@@ -141,9 +141,8 @@ class AsyncEngine:
                 stats = self.engine.step()
             except Exception:  # an engine failure must not leave clients hanging
                 logger.exception("engine step failed; failing the running requests")
-                self.engine.in_flight.clear()  # results of a failed step are not to be read
+                self.engine.abort_all()  # results of a failed step are not to be read
                 for request_id in list(self.streams):
-                    self.engine.abort(request_id)
                     self._publish(self.streams.pop(request_id))
                 continue
             self.metrics.preemptions.inc(stats.preempted)
