@@ -39,24 +39,12 @@ TOLERANCE = {"bfloat16": 2e-2, "float32": 2e-4}
 BLOCK_SIZE = 16
 
 
-def _median_seconds(fn, iters):
-    import jax
-
-    jax.block_until_ready(fn())
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
 def run_case(name, case, dtype_name, interpret, iters):
     import jax
     import jax.numpy as jnp
     import numpy as np
 
+    from dcpjax.bench.timing import median_seconds
     from dcpjax.kernels import decode_attention_pallas, decode_attention_reference
 
     batch, q_heads, kv_heads, dk, dv, latent, context = case
@@ -84,11 +72,11 @@ def run_case(name, case, dtype_name, interpret, iters):
 
     full = jnp.full_like(lengths, context)  # bandwidth: every sequence at full length
     kv_bytes = k.nbytes + (0 if v is None else v.nbytes)
-    kernel_s = _median_seconds(lambda: pallas(q, k, v, full), iters)
-    reference_s = _median_seconds(lambda: reference(q, k, v, full), iters)
+    kernel_s = median_seconds(lambda: pallas(q, k, v, full), iters)
+    reference_s = median_seconds(lambda: reference(q, k, v, full), iters)
     copy = jax.jit(lambda x: x + jnp.zeros((), x.dtype))  # forces a read and a write of x
     pool = k if v is None else jnp.concatenate([k, v], axis=-1)
-    copy_s = _median_seconds(lambda: copy(pool), iters)
+    copy_s = median_seconds(lambda: copy(pool), iters)
     tol = TOLERANCE[dtype_name]
     return dict(
         case=name, dtype=dtype_name, context=context, batch=batch, kv_mib=kv_bytes / 2**20,

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from dcpjax.bench.timing import median_seconds  # noqa: E402
 from dcpjax.sampling import SamplingParams, SamplingRows, sample, sampler_config  # noqa: E402
 
 
@@ -47,16 +48,6 @@ def sort_everything(logits, temperature, top_k, top_p, min_p, seeds, counters):
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, 1)
     return tokens, chosen, top_ids, top_logprobs
-
-
-def median_ms(fn, iters):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> int:
@@ -88,8 +79,8 @@ def main(argv=None) -> int:
         old = jax.jit(sort_everything)
         config = sampler_config(params, args.vocab)
         new = jax.jit(lambda x, *a: sample(x, SamplingRows(*a), config).tokens)
-        old_ms = median_ms(lambda: old(logits, *args_), args.iters)
-        new_ms = median_ms(lambda: new(logits, *args_), args.iters)
+        old_ms = 1e3 * median_seconds(lambda: old(logits, *args_), args.iters)
+        new_ms = 1e3 * median_seconds(lambda: new(logits, *args_), args.iters)
         print(f"| {name} | {old_ms:.1f} | {new_ms:.2f} | {old_ms / new_ms:.0f}x |", flush=True)
     return 0
 

@@ -29,7 +29,7 @@ from dcpjax.models.base import StepContext, kv_head_slots
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
-from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
+from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config
 from dcpjax.scheduler import ScheduledRow
 from dcpjax.sharding.mesh import logical_spec
 
@@ -77,10 +77,6 @@ class KVCacheLayout:
 # Columns of a packed step input after the chunk's tokens and the block table.
 START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, COUNTER = range(11)
 NUM_META = 11
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _sampling_meta(seq) -> np.ndarray:
@@ -203,8 +199,8 @@ class ModelRunner:
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
         Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config).
         """
-        batch, chunk = _pow2_at_least(len(rows)), _pow2_at_least(max(r.count for r in rows))
-        width = min(block_tables.shape[1], _pow2_at_least(max(len(r.seq.blocks) for r in rows)))
+        batch, chunk = pow2_at_least(len(rows)), pow2_at_least(max(r.count for r in rows))
+        width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
         packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
         n = len(rows)
         meta = packed[:, chunk + width :]

@@ -86,7 +86,8 @@ class SamplerConfig(NamedTuple):
 MIN_CANDIDATES = 256  # top_p rows: nuclei wider than this are found by bisection instead
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (the bucket of a compile key)."""
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -94,9 +95,9 @@ def sampler_config(params: Sequence[SamplingParams], vocab_size: int) -> Sampler
     """The SamplerConfig for a step whose sampling rows use `params`."""
     random = [p for p in params if p.temperature > 0]
     limits = [p.top_k for p in random if p.top_k > 0] + [MIN_CANDIDATES for p in random if p.top_p < 1]
-    candidates = min(vocab_size, _pow2_at_least(max(limits))) if limits else 0
+    candidates = min(vocab_size, pow2_at_least(max(limits))) if limits else 0
     asked = [p.logprobs for p in params if p.logprobs is not None]
-    num_top = _pow2_at_least(max(max(asked), 1)) if asked else None
+    num_top = pow2_at_least(max(max(asked), 1)) if asked else None
     return SamplerConfig(not random, candidates, num_top)
 
 

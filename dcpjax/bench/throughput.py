@@ -78,19 +78,14 @@ def _sampling_ms(vocab: int, batch: int) -> float:
     import jax
     import numpy as np
 
+    from dcpjax.bench.timing import median_seconds
     from dcpjax.sampling import SamplerConfig, SamplingRows, sample
 
     logits = jax.numpy.asarray(np.random.default_rng(0).normal(size=(batch, vocab)).astype(np.float32))
     zeros = jax.numpy.zeros(batch, jax.numpy.float32)
     rows = SamplingRows(zeros, zeros.astype(np.int32), zeros + 1, zeros, zeros.astype(np.uint32), zeros.astype(np.int32))
     fn = jax.jit(lambda x: sample(x, rows, SamplerConfig()).tokens)
-    fn(logits).block_until_ready()
-    times = []
-    for _ in range(20):
-        start = time.perf_counter()
-        fn(logits).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
+    return 1e3 * median_seconds(lambda: fn(logits), 20)
 
 
 def _transformers_generate(folder: str, prompts: list[list[int]], output_len: int) -> dict:
@@ -123,7 +118,9 @@ def run(args) -> dict:
 
     import dcpjax
 
-    if args.compare_transformers and args.model in __import__("dcpjax.models.config", fromlist=["TINY_MODELS"]).TINY_MODELS:
+    from dcpjax.models.config import TINY_MODELS
+
+    if args.compare_transformers and args.model in TINY_MODELS:
         raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder "
                          "(benchmarks/make_hf_llama.py writes the issue's tiny Llama)")
     max_model_len = args.input_len + args.output_len + 1
