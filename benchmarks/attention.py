@@ -25,16 +25,16 @@ import time
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
-from dcpjax.devices import use_cpu_devices  # noqa: E402
+from dcpjax.devices import use_cpu_devices
 
 use_cpu_devices(8)
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import dcpjax  # noqa: E402
-from dcpjax.kernels import decode_attention_reference  # noqa: E402
+import dcpjax
+from dcpjax.kernels import AttentionOptions, KVCache, decode_attention
 
 TP = 8
 # name: (q_heads, kv_heads, dk, dv, latent, layers)
@@ -65,7 +65,7 @@ def make_cache(layout, dcp, batch, seq, dtype, seed=0):
 def capacity_table(layouts):
     rows = []
     for name, layout in layouts.items():
-        q_heads, kv_heads, dk, dv, latent, layers = layout
+        q_heads, kv_heads, _, _, latent, layers = layout
         for dcp in (1, 2, 4, 8):
             if dcp not in valid_dcps(q_heads, kv_heads, latent):
                 rows.append(dict(layout=name, dcp=dcp, valid=False))
@@ -146,7 +146,7 @@ def analytic_collective_bytes(layout, dcp, batch, q_bytes, comm):
 def step_table(layouts, contexts, repeats, comm, total_tokens):
     rows = []
     for name, layout in layouts.items():
-        q_heads, kv_heads, dk, dv, latent, _ = layout
+        q_heads, kv_heads, _, _, latent, _ = layout
         for context in contexts:
             batch = max(1, total_tokens // context)  # same total tokens at every context
             base = None
@@ -185,13 +185,14 @@ def bandwidth_rows(layouts, context, repeats):
         v = None if latent else jax.device_put(rng.standard_normal((1, context, heads, dv), np.float32), device)
         q = jax.device_put(rng.standard_normal((1, group * heads, dk), np.float32), device)
         lengths = jnp.array([context], jnp.int32)
-        fn = jax.jit(lambda q, k, v: decode_attention_reference(q, k, v, lengths, v_head_dim=dv if latent else None))
+        kv = KVCache.from_sequences(k, v, v_head_dim=dv)
+        fn = jax.jit(functools.partial(decode_attention, options=AttentionOptions(backend="reference")))
         kv_bytes = k.nbytes + (0 if v is None else v.nbytes)
-        kernel_s = _time(lambda: fn(q, k, v), repeats)
+        kernel_s = _time(functools.partial(fn, q, kv, lengths), repeats)
         src = np.random.default_rng(1).standard_normal(kv_bytes // 4).astype(np.float32)
         dst = np.empty_like(src)
         np.copyto(dst, src)
-        copy_s = min(_timeit(lambda: np.copyto(dst, src)) for _ in range(max(repeats, 3)))
+        copy_s = min(_timeit(functools.partial(np.copyto, dst, src)) for _ in range(max(repeats, 3)))
         rows.append(dict(
             layout=name, context=context, kv_bytes=kv_bytes,
             kernel_gbps=kv_bytes / kernel_s / 1e9, memcpy_gbps=kv_bytes / copy_s / 1e9,

@@ -20,13 +20,13 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dcpjax.devices import use_cpu_devices  # noqa: E402
+from dcpjax.devices import use_cpu_devices
 
 use_cpu_devices(8)
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-import dcpjax  # noqa: E402
+import dcpjax
 
 
 def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int, max_model_len: int | None = None) -> dict:

@@ -45,23 +45,23 @@ def run_case(name, case, dtype_name, interpret, iters):
     import numpy as np
 
     from dcpjax.bench.timing import median_seconds
-    from dcpjax.kernels import decode_attention_pallas, decode_attention_reference
+    from dcpjax.kernels import AttentionOptions, KVCache, attention, attention_pallas
 
     batch, q_heads, kv_heads, dk, dv, latent, context = case
     dtype = jnp.dtype(dtype_name)
     pages_per_seq = context // BLOCK_SIZE
     num_blocks = batch * pages_per_seq
     keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (batch, q_heads, dk), dtype)
+    q = jax.random.normal(keys[0], (batch, 1, q_heads, dk), dtype)  # decode: one query per sequence
     k = jax.random.normal(keys[1], (num_blocks, BLOCK_SIZE, kv_heads, dk), dtype)
     v = None if latent else jax.random.normal(keys[2], (num_blocks, BLOCK_SIZE, kv_heads, dv), dtype)
     tables = jax.random.permutation(keys[3], num_blocks).reshape(batch, pages_per_seq).astype(jnp.int32)
-    lengths = jnp.asarray(np.linspace(context, 1, batch).astype(np.int32))
+    lengths = jnp.asarray(np.linspace(context, 1, batch).astype(np.int32))[:, None]
     lengths = lengths.at[-1].set(0)  # one empty sequence: out 0, lse -inf
-    kw = dict(block_tables=tables, v_head_dim=dv if latent else None)
+    cache = lambda k, v: KVCache(k, v, block_tables=tables, v_head_dim=dv)
 
-    pallas = jax.jit(lambda q, k, v, n: decode_attention_pallas(q, k, v, n, interpret=interpret, **kw))
-    reference = jax.jit(lambda q, k, v, n: decode_attention_reference(q, k, v, n, **kw))
+    pallas = jax.jit(lambda q, k, v, n: attention_pallas(q, cache(k, v), n, interpret=interpret))
+    reference = jax.jit(lambda q, k, v, n: attention(q, cache(k, v), n, AttentionOptions(backend="reference")))
     out_p, lse_p = pallas(q, k, v, lengths)
     out_r, lse_r = reference(q, k, v, lengths)
     out_err = float(jnp.max(jnp.abs(out_p.astype(jnp.float32) - out_r.astype(jnp.float32))))

@@ -20,14 +20,21 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
+import httpx
 
-from dcpjax.bench.__main__ import _start_server  # noqa: E402
-from dcpjax.bench.client import make_prompts, one_request  # noqa: E402
+from dcpjax.bench.client import make_prompts, one_request
+from dcpjax.engine_args import EngineArgs
+from dcpjax.serve.launch import start_server
+
+# the server started when no --base-url is given: a KV cache small enough that this load preempts
+SERVER = EngineArgs(model="tiny-llama", tensor_parallel_size=8, decode_context_parallel_size=2,
+                    max_num_batched_tokens=512, kv_cache_memory_bytes=48 * 4096, max_model_len=256,
+                    num_cpu_devices=8)
 
 
 async def hold(base_url: str, model: str, streams: int, seconds: float, input_len: int, output_len: int,
                api_key: str | None = None) -> dict:
+    """`streams` clients sending streaming completions back to back for `seconds`; counts of each outcome."""
     prompts = make_prompts(64, input_len)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     counts = {"completed": 0, "errors": 0, "lost": 0, "tokens": 0}
@@ -58,7 +65,21 @@ async def hold(base_url: str, model: str, streams: int, seconds: float, input_le
             "messages": sorted(messages)[:5]}
 
 
-def main(argv=None) -> int:
+def measure(base: str, args: argparse.Namespace) -> dict:
+    """Hold the streams against the server at `base`; add its preemption count."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client() as client:
+        model = client.get(f"{base}/v1/models", headers=headers).json()["data"][0]["id"]
+    result = asyncio.run(hold(base, model, args.streams, args.seconds, args.input_len, args.output_len, args.api_key))
+    with httpx.Client() as client:
+        metrics = client.get(f"{base}/metrics").text
+    result["preemptions"] = next((float(line.split()[-1]) for line in metrics.splitlines()
+                                  if line.startswith("dcpjax:num_preemptions_total")), None)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Hold the load (starting a server unless --base-url); exit status 1 on any error or lost request."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", help="an already running server (default: start one)")
     p.add_argument("--streams", type=int, default=200)
@@ -67,29 +88,11 @@ def main(argv=None) -> int:
     p.add_argument("--output-len", type=int, default=48)
     p.add_argument("--api-key")
     args = p.parse_args(argv)
-    proc = None
-    base = args.base_url
-    if base is None:
-        server = argparse.Namespace(
-            model="tiny-llama", tensor_parallel_size=8, max_num_seqs=64, max_num_batched_tokens=512,
-            cp_kv_cache_interleave_size=1, dcp_comm_backend="ag_rs", kv_cache_memory_bytes=48 * 4096,
-            max_model_len=256, num_cpu_devices=8, api_key=None,
-        )
-        proc, base = _start_server(server, dcp=2)
-    try:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        with httpx.Client() as client:
-            model = client.get(f"{base}/v1/models", headers=headers).json()["data"][0]["id"]
-        result = asyncio.run(hold(base, model, args.streams, args.seconds, args.input_len, args.output_len,
-                                  args.api_key))
-        with httpx.Client() as client:
-            metrics = client.get(f"{base}/metrics").text
-        result["preemptions"] = next((float(line.split()[-1]) for line in metrics.splitlines()
-                                      if line.startswith("dcpjax:num_preemptions_total")), None)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+    if args.base_url is not None:
+        result = measure(args.base_url, args)
+    else:
+        with start_server(SERVER.to_cli_args()) as server:
+            result = measure(server.base_url, args)
     print(json.dumps(result, indent=1))
     return 0 if result["errors"] == 0 and result["lost"] == 0 else 1
 

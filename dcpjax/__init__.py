@@ -14,11 +14,11 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CompletionOutput",
+    "DCPKVCache",
     "Logprob",
+    "ParallelConfig",
     "RequestOutput",
     "SamplingParams",
-    "DCPKVCache",
-    "ParallelConfig",
     "append_kv",
     "dcp_decode_attention",
     "decode_attention",

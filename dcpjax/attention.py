@@ -1,7 +1,7 @@
 """DCP decode attention on a ("tp", "dcp") mesh: the public op for notebooks and tests.
 
 KV is split by head over "tp" (the TP // DCP KV-head groups) and by interleaved
-token position over "dcp". One decode step, per device (DESIGN.md):
+token position over "dcp". One decode step, per device (README, "Architecture"):
   1. q: this device's q_heads / TP heads;
   2. all_gather q over "dcp" -> the q_heads / (TP/DCP) heads of its KV group;
   3. attention over the tokens this rank owns -> partial out + LSE (float32);
@@ -19,62 +19,19 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels.dispatch import check_attention_backend
+from dcpjax.kernels import AttentionOptions, KVCache, check_attention_backend
+from dcpjax.kernels.kv_cache import FP8, contiguous_page_size
 from dcpjax.sharding import layout
-from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_tokens
-from dcpjax.sharding.mesh import check_mesh, logical_spec
+from dcpjax.sharding.local_ops import dcp_attention, owned_slots
+from dcpjax.sharding.mesh import check_mesh, kv_cache_spec, logical_spec
 
-
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "block_tables"],
-    meta_fields=["num_kv_heads", "v_head_dim", "capacity", "block_size"],
-)
-@dataclasses.dataclass(frozen=True)
-class DCPKVCache:
-    """A KV cache laid out over the ("tp", "dcp") mesh.
-
-    Contiguous (block_size None):
-      k [batch, DCP * local_capacity, kv_slots, dk], sharded P(None, "dcp", "tp", None):
-      rank d's block of the token axis holds, at local index j, the token at
-      `layout.global_position(j, d, DCP, I)`.
-    Paged (block_size set):
-      k [DCP * num_blocks, block_size, kv_slots, dk], sharded P("dcp", None, "tp", None):
-      each rank has its own pool of num_blocks; `block_tables` [batch, max_blocks]
-      (replicated) is shared by all ranks (vLLM's virtual block of block_size * DCP).
-    v: like k with dv, or None for MLA's latent form (V = K[..., :v_head_dim]).
-    kv_slots = max(num_kv_heads, TP // DCP): KV heads are repeated when the "tp"
-    axis has more groups than heads, so each group holds the head its q heads use.
-    """
-
-    k: jax.Array
-    v: jax.Array | None
-    block_tables: jax.Array | None
-    num_kv_heads: int
-    v_head_dim: int
-    capacity: int
-    block_size: int | None = None
-
-    @property
-    def paged(self) -> bool:
-        return self.block_size is not None
-
-    @property
-    def use_mla(self) -> bool:
-        return self.v is None
-
-    def bytes_per_device(self) -> int:
-        """KV bytes one device holds (its shard of k and v)."""
-        arrays = [self.k] if self.v is None else [self.k, self.v]
-        return sum(a.addressable_shards[0].data.nbytes for a in arrays)
-
-
-# -- specs ------------------------------------------------------------------
-def _kv_spec(paged: bool) -> PartitionSpec:
-    if paged:
-        return logical_spec("kv_pages", None, "kv_heads", None)
-    return logical_spec("batch", "kv_tokens", "kv_heads", None)
-
+# The public op's cache is the one `KVCache` type; its arrays are global and sharded:
+#   k [DCP * num_blocks, block_size, kv_slots, dk] split P("dcp", None, "tp", None): each rank
+#   has its own pool of num_blocks; `block_tables` [batch, pages] (replicated) is shared by all
+#   ranks (vLLM's virtual block of block_size * DCP positions). v like k (None for MLA's latent).
+#   kv_slots = max(num_kv_heads, TP // DCP): KV heads are repeated when the "tp" axis has more
+#   groups than heads, so each group holds the head its q heads use.
+DCPKVCache = KVCache
 
 _Q_SPEC = logical_spec("batch", "q_heads", None)  # [B, Hq, d] and [B, Hq] prefixes
 _LSE_SPEC = logical_spec("batch", "q_heads")
@@ -102,10 +59,9 @@ def _expand_heads(x, num_kv_heads: int, pc: ParallelConfig, axis: int):
 # -- building a cache -----------------------------------------------------------
 # Built in host numpy, then each device receives only its own shard: no device
 # ever holds the whole unsplit cache.
-def _interleaved_local(x: np.ndarray, capacity: int, pc: ParallelConfig) -> np.ndarray:
-    """[B, S, H, d] token order -> [B, DCP, local_capacity, H, d], zeros past S."""
+def _interleaved_local(x: np.ndarray, local_cap: int, pc: ParallelConfig) -> np.ndarray:
+    """[B, S, H, d] token order -> [B, DCP, local_cap, H, d], zeros past S."""
     batch, seq = x.shape[:2]
-    local_cap = layout.local_capacity(capacity, pc.dcp, pc.interleave)
     positions = np.asarray(layout.global_position(
         np.arange(local_cap)[None, :], np.arange(pc.dcp)[:, None], pc.dcp, pc.interleave
     ))  # [DCP, local_cap]
@@ -124,6 +80,39 @@ def _to_pages(local: np.ndarray, block_tables: np.ndarray, num_blocks: int, bloc
     return pools.reshape(dcp * num_blocks, block_size, *local.shape[3:])
 
 
+def _contiguous_block_size(capacity: int, pc: ParallelConfig) -> int:
+    """Block size that makes a contiguous cache a paged one with an identity table (a reshape)."""
+    local_cap = layout.local_capacity(capacity, pc.dcp, pc.interleave)
+    page = contiguous_page_size(local_cap)
+    return page if page % pc.interleave == 0 else local_cap
+
+
+def _check_block_tables(block_tables, batch: int, blocks_per_seq: int, num_blocks: int | None):
+    """Default sequential tables; entries in use must be distinct blocks < num_blocks."""
+    if block_tables is None:
+        block_tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
+    block_tables = np.asarray(block_tables, np.int32)
+    if block_tables.shape[0] != batch or block_tables.shape[1] < blocks_per_seq:
+        raise ValueError(f"block_tables must be [batch={batch}, >= {blocks_per_seq}], got {block_tables.shape}")
+    needed = block_tables[:, :blocks_per_seq]
+    num_blocks = int(needed.max()) + 1 if num_blocks is None else num_blocks
+    if int(needed.min()) < 0 or int(needed.max()) >= num_blocks or len(set(needed.ravel().tolist())) != needed.size:
+        raise ValueError(f"block_tables entries in use must be distinct blocks in [0, {num_blocks})")
+    return block_tables, num_blocks
+
+
+def _check_kv(k, v, v_head_dim: int | None) -> int:
+    if k.ndim != 4:
+        raise ValueError(f"k must be [batch, seq, kv_heads, head_dim], got shape {k.shape}")
+    if v is None:
+        if v_head_dim is None or not 0 < v_head_dim <= k.shape[3]:
+            raise ValueError(f"v=None is MLA's latent form: pass 0 < v_head_dim <= {k.shape[3]}, got {v_head_dim}")
+        return v_head_dim
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v {v.shape} must match k {k.shape} except in the last dimension")
+    return v.shape[3]
+
+
 def shard_kv_cache(
     k: jax.Array,
     v: jax.Array | None,
@@ -135,67 +124,45 @@ def shard_kv_cache(
     block_tables: jax.Array | None = None,
     num_blocks: int | None = None,
     v_head_dim: int | None = None,
-) -> DCPKVCache:
+) -> KVCache:
     """Lay out a KV cache over the mesh: KV heads over "tp", interleaved tokens over "dcp".
 
     Args:
       k: [batch, seq, kv_heads, dk] in token order (any seq, 0 included).
       v: [batch, seq, kv_heads, dv], or None for MLA's latent form (pass `v_head_dim`).
       capacity: tokens per sequence the cache can hold (default seq); room to append.
-      block_size: paged layout with this many tokens per block and rank.
-      block_tables: [batch, max_blocks] physical blocks per sequence (paged; default
-        sequential). Every entry a sequence needs must be a distinct block < num_blocks.
+      block_size: tokens per block and rank (default: a contiguous layout, i.e. pages that
+        tile each sequence's local tokens in order, with an identity block table).
+      block_tables: [batch, max_blocks] physical blocks per sequence (default sequential).
+        Every entry a sequence needs must be a distinct block < num_blocks.
       num_blocks: blocks per rank in the pool (default: 1 + max(block_tables)).
+    Returns a `KVCache` whose pools are [DCP * num_blocks, block_size, kv_slots, d], sharded
+    P("dcp", None, "tp", None), with replicated block_tables.
     """
     check_mesh(mesh, pc)
-    if k.ndim != 4:
-        raise ValueError(f"k must be [batch, seq, kv_heads, head_dim], got shape {k.shape}")
-    batch, seq, num_kv_heads, dk = k.shape
-    if v is None:
-        if v_head_dim is None or not 0 < v_head_dim <= dk:
-            raise ValueError(f"v=None is MLA's latent form: pass 0 < v_head_dim <= {dk}, got {v_head_dim}")
-    elif v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v {v.shape} must match k {k.shape} except in the last dimension")
-    else:
-        v_head_dim = v.shape[3]
+    v_head_dim = _check_kv(k, v, v_head_dim)
+    batch, seq, num_kv_heads = k.shape[:3]
     capacity = seq if capacity is None else capacity
     if capacity < max(seq, 1):
         raise ValueError(f"capacity ({capacity}) must be >= 1 and >= the tokens given ({seq})")
-
-    if block_size is not None:
+    if block_size is None:
+        block_size = _contiguous_block_size(capacity, pc)
+    else:
         layout.check_block_size(block_size, pc.interleave)
-        blocks_per_seq = layout.blocks_needed(capacity, block_size, pc.dcp)
-        capacity = blocks_per_seq * layout.virtual_block_size(block_size, pc.dcp)
-        if block_tables is None:
-            block_tables = np.arange(batch * blocks_per_seq, dtype=np.int32).reshape(batch, blocks_per_seq)
-        block_tables = np.asarray(block_tables, np.int32)
-        if block_tables.shape[0] != batch or block_tables.shape[1] < blocks_per_seq:
-            raise ValueError(f"block_tables must be [batch={batch}, >= {blocks_per_seq}], got {block_tables.shape}")
-        needed = block_tables[:, :blocks_per_seq]
-        num_blocks = int(needed.max()) + 1 if num_blocks is None else num_blocks
-        if int(needed.min()) < 0 or int(needed.max()) >= num_blocks or len(set(needed.ravel().tolist())) != needed.size:
-            raise ValueError(f"block_tables entries in use must be distinct blocks in [0, {num_blocks})")
-
-    sharding = NamedSharding(mesh, _kv_spec(block_size is not None))
+        capacity = layout.blocks_needed(capacity, block_size, pc.dcp) * layout.virtual_block_size(block_size, pc.dcp)
+    blocks_per_seq = layout.blocks_needed(capacity, block_size, pc.dcp)
+    block_tables, num_blocks = _check_block_tables(block_tables, batch, blocks_per_seq, num_blocks)
+    sharding = NamedSharding(mesh, logical_spec("kv_pages", None, "kv_heads", None))
+    local_cap = blocks_per_seq * block_size
 
     def place(x):
-        x = _expand_heads(np.asarray(x), num_kv_heads, pc, axis=2)
-        local = _interleaved_local(x, capacity, pc)
-        if block_size is None:
-            arranged = local.reshape(batch, pc.dcp * local.shape[2], *local.shape[3:])
-        else:
-            arranged = _to_pages(local, block_tables, num_blocks, block_size)
-        return jax.make_array_from_callback(arranged.shape, sharding, lambda index: arranged[index])
+        local = _interleaved_local(_expand_heads(np.asarray(x), num_kv_heads, pc, axis=2), local_cap, pc)
+        pages = _to_pages(local, block_tables, num_blocks, block_size)
+        return jax.make_array_from_callback(pages.shape, sharding, lambda index: pages[index])
 
-    return DCPKVCache(
-        k=place(k),
-        v=None if v is None else place(v),
-        block_tables=None if block_size is None else jax.device_put(jnp.asarray(block_tables), NamedSharding(mesh, _REPLICATED)),
-        num_kv_heads=num_kv_heads,
-        v_head_dim=v_head_dim,
-        capacity=capacity,
-        block_size=block_size,
-    )
+    tables = jax.device_put(jnp.asarray(block_tables), NamedSharding(mesh, _REPLICATED))
+    return KVCache(place(k), None if v is None else place(v), block_tables=tables, v_head_dim=v_head_dim,
+                   num_kv_heads=num_kv_heads, capacity=capacity)
 
 
 def empty_kv_cache(
@@ -210,44 +177,54 @@ def empty_kv_cache(
     use_mla: bool = False,
     dtype=jnp.bfloat16,
     block_size: int | None = None,
-) -> DCPKVCache:
-    """An all-zero cache to fill with `append_kv` (lengths start at 0)."""
-    k = jnp.zeros((batch, 0, num_kv_heads, head_dim), dtype)
-    v = None if use_mla else jnp.zeros((batch, 0, num_kv_heads, v_head_dim or head_dim), dtype)
-    return shard_kv_cache(
+) -> KVCache:
+    """An all-zero cache to fill with `append_kv` (lengths start at 0).
+
+    dtype float8_e4m3fn makes an fp8 cache: `append_kv` quantises with a float32 scale per
+    token and head, and attention dequantises.
+    """
+    quantized = jnp.dtype(dtype) == jnp.dtype(FP8)
+    store = jnp.float32 if quantized else dtype
+    k = jnp.zeros((batch, 0, num_kv_heads, head_dim), store)
+    v = None if use_mla else jnp.zeros((batch, 0, num_kv_heads, v_head_dim or head_dim), store)
+    cache = shard_kv_cache(
         k, v, mesh, pc, capacity=capacity, block_size=block_size, v_head_dim=v_head_dim if use_mla else None
     )
+    if not quantized:
+        return cache
+    scale_sharding = NamedSharding(mesh, logical_spec("kv_pages", None, "kv_heads"))
+    zeros = lambda x: None if x is None else jax.device_put(jnp.zeros(x.shape, FP8), x.sharding)
+    scales = lambda x: None if x is None else jax.device_put(jnp.zeros(x.shape[:3], jnp.float32), scale_sharding)
+    return dataclasses.replace(cache, k=zeros(cache.k), v=zeros(cache.v), k_scale=scales(cache.k),
+                               v_scale=scales(cache.v))
 
 
 # -- appending one token ----------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _append_fn(mesh: Mesh, pc: ParallelConfig, paged: bool, block_size: int | None, has_v: bool):
-    def body(k, v, tables, k_new, v_new, positions):
-        slots = owned_slots(positions, pc, block_tables=tables, block_size=block_size)
-        k = write_tokens(k, k_new, slots, paged)
-        v = write_tokens(v, v_new, slots, paged) if has_v else v
-        return k, v
+@functools.cache
+def _append_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache):
+    def body(cache: KVCache, k_new, v_new, positions):
+        slots = owned_slots(positions, cache.block_tables, cache.block_size, pc)
+        return cache.write(k_new, v_new, slots)
 
-    kv_spec = _kv_spec(paged)
-    v_spec = kv_spec if has_v else None
+    has_v = spec.v is not None
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(kv_spec, v_spec, _REPLICATED, _NEW_KV_SPEC, _NEW_KV_SPEC if has_v else None, _REPLICATED),
-        out_specs=(kv_spec, v_spec),
+        in_specs=(spec, _NEW_KV_SPEC, _NEW_KV_SPEC if has_v else None, _REPLICATED),
+        out_specs=spec,
         check_vma=False,
     )
     return jax.jit(fn)
 
 
 def append_kv(
-    cache: DCPKVCache,
+    cache: KVCache,
     k_new: jax.Array,
     v_new: jax.Array | None,
     positions: jax.Array,
     mesh: Mesh,
     pc: ParallelConfig,
-) -> DCPKVCache:
+) -> KVCache:
     """Write one new token per sequence; only the DCP rank that owns its position stores it.
 
     Args:
@@ -269,29 +246,20 @@ def append_kv(
             raise ValueError(f"positions must lie in [0, capacity={cache.capacity}), got [{low}, {high}]")
     k_new = _expand_heads(k_new, cache.num_kv_heads, pc, axis=1)
     v_new = None if v_new is None else _expand_heads(v_new, cache.num_kv_heads, pc, axis=1)
-    fn = _append_fn(mesh, pc, cache.paged, cache.block_size, not cache.use_mla)
-    k, v = fn(cache.k, cache.v, cache.block_tables, k_new, v_new, positions)
-    return dataclasses.replace(cache, k=k, v=v)
+    return _append_fn(mesh, pc, kv_cache_spec(cache))(cache, k_new, v_new, positions)
 
 
 # -- decode attention -----------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _decode_fn(
-    mesh: Mesh, pc: ParallelConfig, paged: bool, has_v: bool, v_head_dim: int,
-    sm_scale: float | None, attention_backend: str,
-):
-    def body(q, k, v, tables, lengths):
-        out, lse = dcp_attention(
-            q[:, None], k, v, lengths[:, None], pc, block_tables=tables, sm_scale=sm_scale,
-            v_head_dim=v_head_dim, attention_backend=attention_backend, platform=mesh.devices.flat[0].platform,
-        )
+@functools.cache
+def _decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, options: AttentionOptions):
+    def body(q, cache: KVCache, lengths):
+        out, lse = dcp_attention(q[:, None], cache, lengths[:, None], pc, options)
         return out[:, 0].astype(q.dtype), lse[:, 0]
 
-    kv_spec = _kv_spec(paged)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(_Q_SPEC, kv_spec, kv_spec if has_v else None, _REPLICATED if paged else None, _REPLICATED),
+        in_specs=(_Q_SPEC, spec, _REPLICATED),
         out_specs=(_Q_SPEC, _LSE_SPEC),
         check_vma=False,  # Pallas calls inside shard_map
     )
@@ -300,7 +268,7 @@ def _decode_fn(
 
 def dcp_decode_attention(
     q: jax.Array,
-    cache: DCPKVCache,
+    cache: KVCache,
     lengths: jax.Array,
     mesh: Mesh,
     pc: ParallelConfig,
@@ -330,9 +298,7 @@ def dcp_decode_attention(
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (q.shape[0],):
         raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
-    fn = _decode_fn(
-        mesh, pc, cache.paged, not cache.use_mla, cache.v_head_dim,
-        None if sm_scale is None else float(sm_scale), attention_backend,
-    )
-    out, lse = fn(q, cache.k, cache.v, cache.block_tables, lengths)
+    options = AttentionOptions(None if sm_scale is None else float(sm_scale), attention_backend,
+                               mesh.devices.flat[0].platform)
+    out, lse = _decode_fn(mesh, pc, kv_cache_spec(cache), options)(q, cache, lengths)
     return (out, lse) if return_lse else out

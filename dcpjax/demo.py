@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dcpjax.engine_args import EngineArgs
+
 # name: (q_heads, kv_heads, dk, dv, latent)
 LAYOUTS = {
     "GQA (32 q heads, 4 KV heads, head_dim 64)": (32, 4, 64, 64, False),
@@ -20,24 +22,30 @@ LAYOUTS = {
 }
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+# the engine flags this demo takes (one attention layer: no model, no KV cache sizing)
+ENGINE_FLAGS = ("num_cpu_devices", "tensor_parallel_size", "cp_kv_cache_interleave_size", "dcp_comm_backend",
+                "attention_backend")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser: a few engine flags (`EngineArgs`), the context length and batch."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--num-cpu-devices", type=int, default=8, help="fake CPU devices (0: use the real ones)")
-    p.add_argument("--tensor-parallel-size", type=int, default=8)
-    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
-    p.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto")
+    EngineArgs.add_cli_args(p, include=ENGINE_FLAGS, defaults={"num_cpu_devices": 8, "tensor_parallel_size": 8})
     p.add_argument("--context-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv=None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed."""
+    return build_parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the table of both layouts."""
     args = parse_args(argv)
-    if args.num_cpu_devices:
-        from dcpjax.devices import use_cpu_devices
-
-        use_cpu_devices(args.num_cpu_devices)
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.use_cpu_devices()
 
     import jax
     import numpy as np
@@ -61,8 +69,7 @@ def main(argv=None) -> int:
         baseline = None
         for dcp in (1, 2, 4, 8):
             try:
-                pc = dcpjax.ParallelConfig(tp, dcp, args.cp_kv_cache_interleave_size,
-                                           args.dcp_comm_backend if dcp > 1 else "ag_rs")
+                pc = engine_args.with_dcp(dcp).parallel_config()
                 pc.validate(q_heads, kv_heads, use_mla=latent)
             except ValueError as err:
                 print(f"{dcp:>4}  not valid: {str(err).split(': rule ')[-1]}")
@@ -73,7 +80,7 @@ def main(argv=None) -> int:
                                                           attention_backend=args.attention_backend))
             baseline = out if baseline is None else baseline
             tokens = cache.k.addressable_shards[0].data.shape[1]
-            print(f"{dcp:>4} {str(tuple(mesh.devices.shape)):>15} {cache.bytes_per_device():>16,} {tokens:>17,} "
+            print(f"{dcp:>4} {tuple(mesh.devices.shape)!s:>15} {cache.bytes_per_device():>16,} {tokens:>17,} "
                   f"{np.abs(out - baseline).max():>17.2e} {np.abs(out - want).max():>15.2e}")
     return 0
 

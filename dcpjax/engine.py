@@ -15,7 +15,6 @@ With `async_scheduling=False` each step is read right after it is dispatched.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 from dcpjax.output_processor import OutputProcessor
@@ -23,8 +22,6 @@ from dcpjax.outputs import RequestOutput
 from dcpjax.runner import StepResult
 from dcpjax.scheduler import BlockAllocator, Scheduler
 from dcpjax.sequence import Sequence
-
-logger = logging.getLogger("dcpjax")
 
 __all__ = ["BlockAllocator", "Engine", "Sequence", "StepStats", "StepTimings"]
 

@@ -17,27 +17,19 @@ import logging
 import sys
 import time
 
+import dcpjax
+from dcpjax.engine_args import EngineArgs
+
 DEFAULT_PROMPTS = [
     "Decode context parallelism splits the KV cache by token position.",
     "The quick brown fox",
 ]
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser: the engine flags (`EngineArgs`), then prompts and sampling."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny-llama", help="HF folder or built-in name (tiny-llama, tiny-qwen3)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
-    p.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--kv-cache-memory-bytes", type=int)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-cpu-devices", type=int, default=0, help="fake this many CPU devices (0: real devices)")
+    EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -46,28 +38,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--compare-dcp-1", action="store_true", help="also run at DCP 1 (same TP) and compare")
     p.add_argument("--json", action="store_true", help="print results as JSON")
-    return p.parse_args(argv)
+    return p
 
 
-def _engine_kwargs(args, dcp: int) -> dict:
-    return dict(
-        tensor_parallel_size=args.tensor_parallel_size, decode_context_parallel_size=dcp,
-        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size if dcp > 1 else 1,
-        dcp_comm_backend=args.dcp_comm_backend if dcp > 1 else "ag_rs", dtype=args.dtype,
-        max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_cache_dtype=args.kv_cache_dtype, attention_backend=args.attention_backend,
-        block_size=args.block_size, seed=args.seed,
-    )
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed."""
+    return build_parser().parse_args(argv)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Generate (and compare with DCP 1); exit status 1 if greedy outputs differ."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.num_cpu_devices:
-        from dcpjax.devices import use_cpu_devices
-
-        use_cpu_devices(args.num_cpu_devices)
-    import dcpjax
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.use_cpu_devices()
 
     prompts = args.prompt or DEFAULT_PROMPTS
     params = dcpjax.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -77,7 +61,7 @@ def main(argv=None) -> int:
         runs.append(1)
     results = {}
     for dcp in runs:
-        llm = dcpjax.LLM(args.model, **_engine_kwargs(args, dcp))
+        llm = engine_args.with_dcp(dcp).create_llm()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start

@@ -5,16 +5,17 @@ from __future__ import annotations
 import itertools
 import logging
 import pathlib
-from typing import Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
 from tqdm.auto import tqdm
 
-from dcpjax.kernels.dispatch import check_attention_backend
 from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
 from dcpjax.engine import Engine, Sequence
+from dcpjax.kernels import check_attention_backend
 from dcpjax.models.config import TINY_MODELS, ModelConfig
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import ModelRunner, build_model, kv_cache_layout
@@ -24,7 +25,7 @@ from dcpjax.sharding.mesh import make_mesh
 from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
 from dcpjax.weights import SafetensorsSource, ignored_checkpoint_tensor, load_state, model_rules, random_checkpoint
 
-logger = logging.getLogger("dcpjax")
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
 CPU_DEFAULT_KV_BYTES = 64 << 20
@@ -36,6 +37,41 @@ def _resolve_dtype(name: str, what: str, platform: str):
     if name not in DTYPES:
         raise ValueError(f"{what} must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
     return DTYPES[name]
+
+
+def _resolve_kv_cache_dtype(name: str, model_dtype, platform: str):
+    if name == "auto":
+        return model_dtype
+    if name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name]
+    return _resolve_dtype(name, "kv_cache_dtype ('auto', 'fp8' or a dtype name)", platform)
+
+
+def _model_source(model: str, pc: ParallelConfig, seed: int) -> tuple[ModelConfig, object, Callable[[], object]]:
+    """(config, tokenizer, weights source factory) of a built-in model or a Hugging Face folder."""
+    if model in TINY_MODELS:
+        cfg = TINY_MODELS[model]
+        return cfg, ByteTokenizer(), lambda: random_checkpoint(cfg, pc, seed)
+    if (pathlib.Path(model) / "config.json").is_file():
+        return ModelConfig.from_pretrained(model), load_tokenizer(model), lambda: SafetensorsSource(model)
+    raise ValueError(
+        f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a folder with config.json"
+    )
+
+
+def _checked_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
+    value = max_model_len or cfg.max_position_embeddings
+    if not 1 < value <= cfg.max_position_embeddings:
+        raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {value}")
+    cfg.check_max_model_len(value)
+    return value
+
+
+def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
+    eos = set(cfg.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos
 
 
 def _kv_bytes_per_device(requested: int | None, utilization: float, device: jax.Device) -> int:
@@ -105,42 +141,41 @@ class LLM:
         self.mesh = make_mesh(pc, devices)
         device = self.mesh.devices.flat[0]
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
-        if kv_cache_dtype == "auto":
-            cache_dtype = self.dtype
-        elif kv_cache_dtype in KV_CACHE_DTYPES:
-            cache_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
-        else:
-            cache_dtype = _resolve_dtype(kv_cache_dtype, "kv_cache_dtype ('auto', 'fp8' or a dtype name)", device.platform)
+        cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
+        self.model_config, self.tokenizer, weights = _model_source(model, pc, seed)
+        self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
+        graphdef, state = self._load_weights(weights, orbax_checkpoint)
+        kv = self._size_kv_cache(block_size, cache_dtype,
+                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, device))
+        self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
+                                  max_num_seqs)
+        self.engine = Engine(
+            self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
+            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+        )
+        self.seed = seed
+        self._request_ids = itertools.count()
 
-        if model in TINY_MODELS:
-            self.model_config = cfg = TINY_MODELS[model]
-            self.tokenizer = ByteTokenizer()
-            weights = lambda: random_checkpoint(cfg, pc, seed)
-        elif (pathlib.Path(model) / "config.json").is_file():
-            self.model_config = cfg = ModelConfig.from_pretrained(model)
-            self.tokenizer = load_tokenizer(model)
-            weights = lambda: SafetensorsSource(model)
-        else:
-            raise ValueError(
-                f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a folder with config.json"
-            )
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
-        if not 1 < self.max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, "
-                             f"got {self.max_model_len}")
-        cfg.check_max_model_len(self.max_model_len)
-
+    def _load_weights(self, weights: Callable[[], object], orbax_checkpoint: str | None):
+        """The model's graph and its sharded state: from the orbax checkpoint, else from `weights()`."""
+        cfg, pc = self.model_config, self.parallel_config
         graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
         if orbax_checkpoint is not None:
             state = restore_state(state, cfg, pc, self.mesh, orbax_checkpoint)
         else:
             state = load_state(state, model_rules(cfg, pc), weights(), self.mesh,
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
-        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype,
-                             bytes_per_device=_kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, device))
+        return graphdef, state
+
+    def _size_kv_cache(self, block_size: int, cache_dtype, bytes_per_device: int):
+        """The KV cache layout for `bytes_per_device`; logs its size, checks that max_model_len fits."""
+        cfg, pc = self.model_config, self.parallel_config
+        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device)
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
         per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
-        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, device.platform)
+        platform = self.mesh.devices.flat[0].platform
+        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, platform)
         logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)",
                     self.kv_cache_size_tokens, kv.num_blocks, block_size, pc.dcp, per_device / 2**20)
         needed = layout.blocks_needed(self.max_model_len, block_size, pc.dcp)
@@ -149,16 +184,7 @@ class LLM:
                 f"max_model_len={self.max_model_len} needs {needed} KV blocks but the cache holds {kv.num_blocks} "
                 f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes or lower max_model_len"
             )
-        self.runner = ModelRunner(cfg, pc, self.mesh, graphdef, state, kv, attention_backend, max_num_seqs)
-        eos = set(cfg.eos_token_id) | ({self.tokenizer.eos_token_id} if self.tokenizer is not None
-                                       and self.tokenizer.eos_token_id is not None else set())
-        self.engine = Engine(
-            self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            async_scheduling=async_scheduling,
-        )
-        self.seed = seed
-        self._request_ids = itertools.count()
+        return kv
 
     def save_checkpoint(self, path: str) -> None:
         """Write the loaded weights as an orbax checkpoint, restorable onto any mesh

@@ -9,7 +9,7 @@ scheduling, or an abort) is dropped, so no token leaks past a stop.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 

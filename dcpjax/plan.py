@@ -42,7 +42,7 @@ class Deployment:
     hosts: int = 1
 
     @classmethod
-    def from_file(cls, path: str | pathlib.Path) -> "Deployment":
+    def from_file(cls, path: str | pathlib.Path) -> Deployment:
         data = json.loads(pathlib.Path(path).read_text())
         return cls(
             name=data["name"], model=ModelConfig.from_hf(data["model"]),
@@ -97,8 +97,10 @@ def compare_with_dcp1(d: Deployment) -> tuple[dict, dict]:
 
 def markdown_rows(paths) -> list[str]:
     rows = [
-        "| deployment | TP x DCP | weights GB / device | KV GB / device | KV bytes / token / device | "
-        "KV cache size (tokens) | at DCP 1 | gain |",
+        (
+            "| deployment | TP x DCP | weights GB / device | KV GB / device | KV bytes / token / device | "
+            "KV cache size (tokens) | at DCP 1 | gain |"
+        ),
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for path in paths:

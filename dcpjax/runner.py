@@ -16,7 +16,7 @@ are data: sequences grow inside a bucket without recompiling.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -25,17 +25,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.base import StepContext, kv_head_slots
+from dcpjax.kernels import AttentionOptions, KVCache
+from dcpjax.kernels.kv_cache import FP8
+from dcpjax.models.base import StepBatch, StepContext, kv_head_slots
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config
 from dcpjax.scheduler import ScheduledRow
-from dcpjax.sharding.mesh import logical_spec
+from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, logical_spec
 
-KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
-KV_SCALE_SPEC = logical_spec("kv_pages", None, "kv_heads")  # fp8 scales [DCP * blocks, bs, kv_slots]
-FP8 = jnp.dtype(jnp.float8_e4m3fn)
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
 
@@ -116,23 +115,10 @@ class ModelRunner:
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
         self.max_num_seqs = max_num_seqs
-        platform = mesh.devices.flat[0].platform
-        self.ctx = StepContext(pc=pc, block_size=kv.block_size, attention_backend=attention_backend, platform=platform)
-        local_heads = kv.kv_slots // pc.kv_head_groups
+        options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
+        self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-
-        def zeros(shape, dtype, spec):
-            # Made by a shard_map like the step's outputs, so both carry the same sharding
-            # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
-            make = lambda: jnp.zeros(shape, dtype)
-            return jax.jit(jax.shard_map(make, mesh=mesh, in_specs=(), out_specs=spec))()
-
-        def pool(dim):
-            data = zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype, KV_POOL_SPEC)
-            scales = zeros((kv.num_blocks, kv.block_size, local_heads), jnp.float32, KV_SCALE_SPEC)
-            return data, scales if kv.quantized else None
-
-        self.kv_caches = tuple(tuple(pool(d) for d in kv.pool_dims) for _ in range(cfg.num_hidden_layers))
+        self.kv_caches = tuple(self._empty_cache() for _ in range(cfg.num_hidden_layers))
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
@@ -140,23 +126,40 @@ class ModelRunner:
         self._param_leaves = tuple(leaves)
         self._step = self._compile_step()
 
-    def _model(self):
-        """The model forward inside shard_map: (state, caches, tokens, positions, valid, last, tables)
-        -> (logits [B, vocab] float32 replicated, caches)."""
-        graphdef, ctx = self.graphdef, self.ctx
-        replicated = PartitionSpec()
-        pool_spec = (KV_POOL_SPEC, KV_SCALE_SPEC if self.kv_layout.quantized else None)
-        cache_specs = tuple((pool_spec,) * len(self.kv_layout.pool_dims) for _ in range(self.cfg.num_hidden_layers))
+    def _empty_cache(self) -> KVCache:
+        """One layer's all-zero pools, [DCP * num_blocks, block_size, kv_slots, d] over the mesh."""
+        kv, pc = self.kv_layout, self.pc
+        local_heads = kv.kv_slots // pc.kv_head_groups
 
-        def body(state, kv_caches, tokens, positions, valid, last_index, block_tables):
-            model = nnx.merge(graphdef, state)
-            return model(tokens, positions, valid, last_index, kv_caches, block_tables, ctx)
+        def zeros(shape, dtype, spec):
+            # Made by a shard_map like the step's outputs, so both carry the same sharding
+            # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
+            make = lambda: jnp.zeros(shape, dtype)
+            return jax.jit(jax.shard_map(make, mesh=self.mesh, in_specs=(), out_specs=spec))()
+
+        pool = lambda dim: zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype, KV_POOL_SPEC)
+        scales = lambda: zeros((kv.num_blocks, kv.block_size, local_heads), jnp.float32, KV_SCALE_SPEC)
+        mla = len(kv.pool_dims) == 1
+        return KVCache(
+            k=pool(kv.pool_dims[0]), v=None if mla else pool(kv.pool_dims[1]),
+            k_scale=scales() if kv.quantized else None, v_scale=scales() if kv.quantized and not mla else None,
+            v_head_dim=self.cfg.kv_lora_rank if mla else kv.pool_dims[1],
+        )
+
+    def _model(self):
+        """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [B, vocab]
+        float32 replicated, caches)."""
+        graphdef, ctx = self.graphdef, self.ctx
+        cache_specs = tuple(kv_cache_spec(cache) for cache in self.kv_caches)
+
+        def body(state, kv_caches, batch):
+            return nnx.merge(graphdef, state)(batch, kv_caches, ctx)
 
         return jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(param_specs(self.state), cache_specs) + (replicated,) * 5,
-            out_specs=(replicated, cache_specs),
+            in_specs=(param_specs(self.state), cache_specs, PartitionSpec()),
+            out_specs=(PartitionSpec(), cache_specs),
             check_vma=False,  # Pallas kernels inside
         )
 
@@ -172,11 +175,14 @@ class ModelRunner:
             offsets = jnp.arange(chunk, dtype=jnp.int32)[None, :]
             slot = column(SLOT)
             from_device = (column(DEVICE_INPUT) > 0)[:, None] & (offsets == 0)
-            tokens = jnp.where(from_device, slot_tokens[jnp.clip(slot, 0, num_slots - 1)][:, None], packed[:, :chunk])
-            positions = column(START)[:, None] + offsets
-            valid = offsets < column(COUNT)[:, None]
-            last = jnp.maximum(column(COUNT) - 1, 0)
-            logits, kv_caches = model(state, kv_caches, tokens, positions, valid, last, packed[:, chunk : chunk + width])
+            batch = StepBatch(
+                tokens=jnp.where(from_device, slot_tokens[jnp.clip(slot, 0, num_slots - 1)][:, None], packed[:, :chunk]),
+                positions=column(START)[:, None] + offsets,
+                valid=offsets < column(COUNT)[:, None],
+                last_index=jnp.maximum(column(COUNT) - 1, 0),
+                block_tables=packed[:, chunk : chunk + width],
+            )
+            logits, kv_caches = model(state, kv_caches, batch)
             rows = SamplingRows(as_float(TEMPERATURE), column(TOP_K), as_float(TOP_P), as_float(MIN_P),
                                 jax.lax.bitcast_convert_type(column(SEED), jnp.uint32), column(COUNTER))
             sampled = sample(logits, rows, config)

@@ -13,7 +13,8 @@ so it does not depend on the batch, the number of candidates, or which path was 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

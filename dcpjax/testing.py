@@ -13,7 +13,7 @@ def attention_f64(q, k, v, lengths, sm_scale: float | None = None):
     """q [B, Hq, dk], k [B, S, Hkv, dk], v [B, S, Hkv, dv], lengths [B]
     -> out [B, Hq, dv], lse [B, Hq] in float64; an empty sequence gives 0 and -inf."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-    batch, q_heads, dk = q.shape
+    _, q_heads, dk = q.shape
     seq, kv_heads = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(dk) if sm_scale is None else sm_scale
     head_of = np.arange(q_heads) // (q_heads // kv_heads)  # the KV head each q head reads

@@ -12,7 +12,6 @@ class ByteTokenizer:
     """UTF-8 bytes are ids 0..255; BOS and EOS follow. Every text round-trips."""
 
     bos_token_id, eos_token_id = BYTE_BOS, BYTE_EOS
-    special_ids = frozenset({BYTE_BOS, BYTE_EOS})
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([self.bos_token_id] if add_special_tokens else []) + list(text.encode("utf-8"))
@@ -38,9 +37,6 @@ class HFTokenizer:
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None
-        self.special_ids = frozenset(
-            self.tokenizer.token_to_id(t.content) for t in self.tokenizer.get_added_tokens_decoder().values() if t.special
-        )
 
     def _special_id(self, key: str) -> int | None:
         token = self.config.get(key)

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import pathlib
 import re
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
@@ -74,7 +74,8 @@ class SafetensorsSource(TensorSource):
             raise ValueError(f"{folder} has no *.safetensors files")
         self.handles = {f: safe_open(str(folder / f), framework="flax") for f in files}
         if weight_map is None:
-            weight_map = {name: f for f, h in self.handles.items() for name in h.keys()}
+            # safe_open handles have keys() but are not iterable
+            weight_map = {name: f for f, h in self.handles.items() for name in h.keys()}  # noqa: SIM118
         self.weight_map = weight_map
 
     def names(self):
@@ -170,7 +171,7 @@ def vocab_rows(hf_name, vocab: int, hidden: int, transpose: bool) -> Rule:
 
 def kv_b_part(hf_name, heads: int, nope: int, v: int, lora: int, part: str) -> Rule:
     """MLA's kv_b_proj [heads*(nope+v), lora] -> W_UK [heads, nope, lora] or W_UV [heads, v, lora]."""
-    offset, width = (0, nope) if part == "k" else (nope, v)
+    offset = 0 if part == "k" else nope
 
     def read(src, idx, shape):
         (h0, h1), (d0, d1), (c0, c1) = _bounds(idx, shape)

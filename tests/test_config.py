@@ -6,7 +6,7 @@ from dcpjax import ParallelConfig
 def test_defaults_and_frozen():
     pc = ParallelConfig()
     assert (pc.tp, pc.dcp, pc.interleave, pc.dcp_comm_backend) == (1, 1, 1, "ag_rs")
-    with pytest.raises(Exception):
+    with pytest.raises(AttributeError):  # dataclasses.FrozenInstanceError
         pc.tensor_parallel_size = 2
 
 

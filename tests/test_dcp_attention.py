@@ -128,7 +128,7 @@ def test_append_one_token_at_a_time(layout, tp, dcp, interleave, block_size):
     q, k, v, _, dv = inputs(layout, batch=2, seq=30)
     pc = ParallelConfig(tp, dcp, interleave)
     mesh = make_mesh(pc)
-    q_heads, kv_heads, dk, _, latent = LAYOUTS[layout]
+    _, kv_heads, dk, _, latent = LAYOUTS[layout]
     cache = empty_kv_cache(
         mesh, pc, batch=2, capacity=30, num_kv_heads=kv_heads, head_dim=dk, v_head_dim=dv,
         use_mla=latent, dtype=jnp.float32, block_size=block_size,
@@ -149,7 +149,7 @@ def test_append_one_token_at_a_time(layout, tp, dcp, interleave, block_size):
 
 def test_kv_bytes_per_device_fall_with_dcp():
     """TP 8 with 2 KV heads duplicates each head 4x; DCP 4 removes the duplicates."""
-    q, k, v, _, _ = inputs("gqa", seq=64, lengths=(64, 64, 64))
+    _, k, v, _, _ = inputs("gqa", seq=64, lengths=(64, 64, 64))
     sizes = {}
     for dcp in (1, 2, 4):
         pc = ParallelConfig(8, dcp)
@@ -158,7 +158,7 @@ def test_kv_bytes_per_device_fall_with_dcp():
 
 
 def test_errors_are_named():
-    q, k, v, lengths, dv = inputs("gqa")
+    q, k, v, lengths, _ = inputs("gqa")
     pc = ParallelConfig(8, 4)
     mesh = make_mesh(pc)
     cache = shard_kv_cache(k, v, mesh, pc, capacity=40)

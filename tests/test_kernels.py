@@ -1,18 +1,17 @@
-"""Decode kernels (reference and Pallas) against the float64 numpy oracle."""
+"""Attention kernels (reference and Pallas) against the float64 numpy oracle.
+
+Every implementation takes the chunk form (q [B, T, Hq, dk], a paged `KVCache`,
+lengths [B, T]); the decode cases (T = 1) go through `as_decode`.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcpjax.kernels import (
-    chunk_attention_pallas,
-    chunk_attention_reference,
-    decode_attention,
-    decode_attention_pallas,
-    decode_attention_reference,
-    resolve_backend,
-)
+from dcpjax.kernels import AttentionOptions, KVCache, attention, attention_pallas, decode_attention, quantize_fp8
+from dcpjax.kernels.common import check_attention_args
+from dcpjax.kernels.dispatch import resolve_backend
 from dcpjax.testing import assert_close_to_oracle, attention_f64
 
 # name: (q_heads, kv_heads, dk, dv, latent) -- latent: MLA, V = K[..., :dv]
@@ -22,11 +21,22 @@ LAYOUTS = {
     "mqa": (6, 1, 16, 16, False),
     "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
 }
-IMPLS = {
-    "reference": decode_attention_reference,
-    "pallas": decode_attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
-    "pallas_tpu": lambda *a, **kw: decode_attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
+CHUNK_IMPLS = {
+    "reference": lambda q, kv, n, sm_scale=None: attention(q, kv, n, AttentionOptions(sm_scale, "reference")),
+    "pallas": attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
+    "pallas_tpu": lambda *a, **kw: attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
 }
+
+
+def as_decode(impl):
+    """One query per sequence: q [B, Hq, dk], lengths [B] on a chunk-form implementation."""
+    def call(q, kv, lengths, **kw):
+        out, lse = impl(q[:, None], kv, lengths[:, None], **kw)
+        return out[:, 0], lse[:, 0]
+    return call
+
+
+IMPLS = {name: as_decode(impl) for name, impl in CHUNK_IMPLS.items()}
 
 
 def make_inputs(layout, batch=3, seq=40, lengths=(40, 0, 17), seed=0, dtype=np.float32):
@@ -50,16 +60,19 @@ def to_pages(x, block_size, seed=1):
     return pool, table.astype(np.int32)
 
 
+def make_kv(k, v, dv, paged=False, k_scale=None, v_scale=None) -> KVCache:
+    """Contiguous [B, S, H, d] KV as a cache: shuffled pages of 8 (paged) or an identity table."""
+    as_jnp = lambda x: None if x is None else jnp.asarray(x)
+    if not paged:
+        return KVCache.from_sequences(*map(as_jnp, (k, v)), v_head_dim=dv, k_scale=as_jnp(k_scale),
+                                      v_scale=as_jnp(v_scale))
+    k_pages, tables = to_pages(np.asarray(k), 8)
+    v_pages = None if v is None else to_pages(np.asarray(v), 8)[0]
+    return KVCache(as_jnp(k_pages), as_jnp(v_pages), block_tables=jnp.asarray(tables), v_head_dim=dv)
+
+
 def run(impl, q, k, v, lengths, dv, paged=False, **kw):
-    tables = None
-    if paged:
-        k, tables = to_pages(k, 8)
-        v = None if v is None else to_pages(v, 8)[0]
-        tables = jnp.asarray(tables)
-    return IMPLS[impl](
-        jnp.asarray(q), jnp.asarray(k), None if v is None else jnp.asarray(v), jnp.asarray(lengths),
-        block_tables=tables, v_head_dim=dv if v is None else None, **kw,
-    )
+    return IMPLS[impl](jnp.asarray(q), make_kv(k, v, dv, paged), jnp.asarray(lengths), **kw)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
@@ -79,10 +92,8 @@ def test_bfloat16_within_2e_2(impl, layout):
     q, k, v, lengths, dv = make_inputs(layout, dtype=np.float32)
     bf = lambda x: None if x is None else np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
     q, k, v = bf(q), bf(k), bf(v)  # oracle sees exactly the bf16 inputs
-    out, lse = IMPLS[impl](
-        jnp.asarray(q, jnp.bfloat16), jnp.asarray(k, jnp.bfloat16), None if v is None else jnp.asarray(v, jnp.bfloat16),
-        jnp.asarray(lengths), v_head_dim=dv if v is None else None,
-    )
+    bf = lambda x: None if x is None else jnp.asarray(x, jnp.bfloat16)
+    out, lse = IMPLS[impl](bf(q), make_kv(bf(k), bf(v), dv), jnp.asarray(lengths))
     assert out.dtype == jnp.bfloat16
     want = attention_f64(q, k, k[..., :dv] if v is None else v, lengths)
     assert_close_to_oracle(np.asarray(out, np.float32), lse, *want, atol=2e-2, rtol=2e-2)
@@ -103,7 +114,7 @@ def test_empty_sequences_give_zero_and_minus_inf(impl):
 
 
 def test_contiguous_length_not_a_power_of_two():
-    # seq 45 pages as 45 single-token pages in the Pallas path
+    # seq 45 pages as 45 single-token pages
     q, k, v, lengths, dv = make_inputs("mqa", seq=45, lengths=(45, 44, 1))
     out, lse = run("pallas", q, k, v, lengths, dv)
     assert_close_to_oracle(out, lse, *attention_f64(q, k, v, lengths), atol=2e-5)
@@ -111,12 +122,14 @@ def test_contiguous_length_not_a_power_of_two():
 
 def test_dispatcher():
     q, k, v, lengths, dv = make_inputs("gqa")
-    assert resolve_backend("auto", k, None) == "reference"  # CPU
-    ref = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths))
-    pal = decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), attention_backend="pallas")
+    kv, q, lengths = make_kv(k, v, dv), jnp.asarray(q), jnp.asarray(lengths)
+    shapes = check_attention_args(q[:, None], kv, lengths[:, None])
+    assert resolve_backend(AttentionOptions(), shapes, kv) == "reference"  # CPU
+    ref = decode_attention(q, kv, lengths)
+    pal = decode_attention(q, kv, lengths, AttentionOptions(backend="pallas"))
     np.testing.assert_allclose(np.asarray(ref[0]), np.asarray(pal[0]), atol=2e-5)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths), attention_backend="flash")
+        decode_attention(q, kv, lengths, AttentionOptions(backend="flash"))
 
 
 @pytest.mark.parametrize(
@@ -124,23 +137,28 @@ def test_dispatcher():
     [
         (dict(q=np.zeros((3, 12))), "q must be"),
         (dict(lengths=np.zeros((2,), np.int32)), "lengths must be"),
-        (dict(v=np.zeros((3, 40, 2, 8, 1))), "must match k"),
+        (dict(v=np.zeros((4, 40, 2, 8))), "must match k"),
         (dict(q=np.zeros((3, 11, 16), np.float32)), "multiple of kv_heads"),
+        (dict(tables=np.zeros((2, 1), np.int32)), "block_tables must be"),
     ],
 )
 def test_bad_arguments_are_named(bad, match):
     q, k, v, lengths, dv = make_inputs("gqa")
-    args = dict(q=q, k=k, v=v, lengths=lengths) | bad
-    if args["v"].ndim == 5:
-        args["v"] = np.zeros((3, 39, 2, 8), np.float32)
+    kv = make_kv(k, v, dv)
+    if "v" in bad:
+        kv = KVCache(kv.k, jnp.asarray(bad["v"]), block_tables=kv.block_tables)
+    if "tables" in bad:
+        kv = kv.with_block_tables(jnp.asarray(bad["tables"]))
+    args = dict(q=q, lengths=lengths) | bad
     with pytest.raises(ValueError, match=match):
-        decode_attention_reference(*(jnp.asarray(args[n]) for n in ("q", "k", "v", "lengths")))
+        decode_attention(jnp.asarray(args["q"]), kv, jnp.asarray(args["lengths"]), AttentionOptions(backend="reference"))
 
 
 def test_mla_needs_v_head_dim():
     q, k, _, lengths, _ = make_inputs("mla")
+    kv = KVCache.from_sequences(jnp.asarray(k), None, v_head_dim=0)
     with pytest.raises(ValueError, match="v_head_dim"):
-        decode_attention_reference(jnp.asarray(q), jnp.asarray(k), None, jnp.asarray(lengths))
+        decode_attention(jnp.asarray(q), kv, jnp.asarray(lengths))
 
 
 def export_for(platform, device_kind, fn, *args):
@@ -153,50 +171,61 @@ def export_for(platform, device_kind, fn, *args):
         return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*args)
 
 
+def lower_case(case, platform, device_kind, target):
+    """Export the compiled kernel for (q [B, T, Hq, dk], k pool, v pool or None) shapes."""
+    shapes, dtype, kw = case[0], case[1], dict(case[2])
+    S = jax.ShapeDtypeStruct
+    q, k, v = (None if s is None else S(s, dtype) for s in shapes)
+    batch, queries = shapes[0][:2]
+    dv = kw.pop("v_head_dim", 0) if v is None else shapes[2][-1]
+
+    def fn(q, k, v, n, t):
+        return attention_pallas(q, KVCache(k, v, block_tables=t, v_head_dim=dv), n, interpret=False, target=target,
+                                **kw)
+
+    return export_for(platform, device_kind, fn, q, k, v, S((batch, queries), jnp.int32), S((batch, 64), jnp.int32))
+
+
 GPU_CASES = {
-    # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads)
-    "gqa-bf16": (((4, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
-    "gqa-f32": (((4, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.float32, {}),
-    # DeepSeek-V3-like latent 512 + rope 64
-    "mla-bf16": (((4, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads), decode
+    "gqa-bf16": (((4, 1, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
+    "gqa-f32": (((4, 1, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.float32, {}),
+    # a 16-token chunk: 1024 (query, head) rows per KV head, several row blocks
+    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
+    # DeepSeek-V3-like latent 512 + rope 64, decode and a 4-token chunk
+    "mla-bf16": (((4, 1, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    "mla-chunk-4-bf16": (((4, 4, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
 }
 
 
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_pallas_lowers_for_gpu_with_triton(case):
     """The compiled (non-interpret) kernel lowers to a Triton GPU kernel at real sizes."""
-    shapes, dtype, kw = GPU_CASES[case]
-    S = jax.ShapeDtypeStruct
-    q, k, v = (None if s is None else S(s, dtype) for s in shapes)
-    fn = lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, **kw)
-    exported = export_for("cuda", "NVIDIA H200", fn, q, k, v, S((4,), jnp.int32), S((4, 64), jnp.int32))
+    exported = lower_case(GPU_CASES[case], "cuda", "NVIDIA H200", "gpu")
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
 
 
 TPU_CASES = {
-    "gqa-8-heads-bf16": (((4, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
-    "dcp-rank-1-head-f32": (((4, 16, 128), (256, 16, 1, 128), (256, 16, 1, 128)), jnp.float32, {}),
-    "mla-bf16": (((4, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    "gqa-8-heads-bf16": (((4, 1, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
+    "dcp-rank-1-head-f32": (((4, 1, 16, 128), (256, 16, 1, 128), (256, 16, 1, 128)), jnp.float32, {}),
+    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
+    "mla-bf16": (((4, 1, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    # 1024 rows of width 576: several row blocks of 224
+    "mla-chunk-8-bf16": (((2, 8, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
 }
 
 
 @pytest.mark.parametrize("device_kind", ["TPU v5 lite", "TPU v6 lite"])
 @pytest.mark.parametrize("case", list(TPU_CASES))
 def test_pallas_lowers_for_tpu_with_mosaic(case, device_kind):
-    shapes, dtype, kw = TPU_CASES[case]
-    S = jax.ShapeDtypeStruct
-    q, k, v = (None if s is None else S(s, dtype) for s in shapes)
-    fn = lambda q, k, v, n, t: decode_attention_pallas(q, k, v, n, block_tables=t, interpret=False, target="tpu", **kw)
-    exported = export_for("tpu", device_kind, fn, q, k, v, S((4,), jnp.int32), S((4, 64), jnp.int32))
+    exported = lower_case(TPU_CASES[case], "tpu", device_kind, "tpu")
     assert "tpu_custom_call" in exported.mlir_module()
 
 
 def test_tpu_tiling_rules_are_explained():
     q, k, v, lengths, dv = make_inputs("gqa")  # 2 KV heads of width 16: not lane-aligned
     with pytest.raises(ValueError, match="head dims must be multiples of 128"):
-        decode_attention_pallas(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(lengths),
-                                target="tpu", interpret=False)
-    assert resolve_backend("auto", k, None) == "reference"
+        IMPLS["pallas_tpu"](jnp.asarray(q), make_kv(k, v, dv), jnp.asarray(lengths), interpret=False)
 
 
 def test_oracle_against_a_hand_computed_case():
@@ -209,13 +238,6 @@ def test_oracle_against_a_hand_computed_case():
     np.testing.assert_allclose(lse, [[np.log(4.0)]])
 
 
-CHUNK_IMPLS = {
-    "reference": chunk_attention_reference,
-    "pallas": chunk_attention_pallas,
-    "pallas_tpu": lambda *a, **kw: chunk_attention_pallas(*a, target="tpu", **kw),
-}
-
-
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("impl", list(CHUNK_IMPLS))
 @pytest.mark.parametrize("layout", ["gqa", "mla"])
@@ -224,16 +246,7 @@ def test_chunk_form_gives_each_query_its_own_causal_bound(layout, impl, paged):
     q, k, v, _, dv = make_inputs(layout, seq=40)
     chunk = np.random.default_rng(3).standard_normal((3, 5, *q.shape[1:])).astype(np.float32)
     lengths = np.array([[36, 37, 38, 39, 40], [1, 2, 3, 0, 0], [0, 0, 0, 0, 0]], np.int32)
-    tables = None
-    kk, vv = k, v
-    if paged:
-        kk, tables = to_pages(k, 8)
-        vv = None if v is None else to_pages(v, 8)[0]
-        tables = jnp.asarray(tables)
-    out, lse = CHUNK_IMPLS[impl](
-        jnp.asarray(chunk), jnp.asarray(kk), None if vv is None else jnp.asarray(vv), jnp.asarray(lengths),
-        block_tables=tables, v_head_dim=dv if v is None else None,
-    )
+    out, lse = CHUNK_IMPLS[impl](jnp.asarray(chunk), make_kv(k, v, dv, paged), jnp.asarray(lengths))
     assert out.shape == (3, 5, q.shape[1], dv) and lse.shape == (3, 5, q.shape[1])
     values = k[..., :dv] if v is None else v
     want = attention_f64(chunk.reshape(15, *q.shape[1:]), np.repeat(k, 5, axis=0), np.repeat(values, 5, axis=0),
@@ -241,9 +254,23 @@ def test_chunk_form_gives_each_query_its_own_causal_bound(layout, impl, paged):
     assert_close_to_oracle(np.asarray(out).reshape(15, *out.shape[2:]), np.asarray(lse).reshape(15, -1), *want, atol=2e-5)
 
 
-def _quantize(x):
-    from dcpjax.sharding.local_ops import quantize_fp8
+@pytest.mark.parametrize("impl", ["pallas", "pallas_tpu"])
+def test_query_tiles_split_into_row_blocks(impl):
+    """A 16-token chunk of a 12-head group (192 rows) in blocks of 16 or 24 rows: each block
+    walks the pages up to its own longest bound; every row still gets its own causal bound."""
+    q, k, v, _, dv = make_inputs("gqa", seq=64)
+    chunk = np.random.default_rng(4).standard_normal((3, 16, *q.shape[1:])).astype(np.float32)
+    lengths = np.stack([np.arange(49, 65), np.arange(1, 17), np.where(np.arange(16) < 5, np.arange(1, 17), 0)])
+    block_rows = 16 if impl == "pallas" else 24
+    out, lse = CHUNK_IMPLS[impl](jnp.asarray(chunk), make_kv(k, v, dv, paged=True), jnp.asarray(lengths, jnp.int32),
+                                 block_rows=block_rows)
+    want = attention_f64(chunk.reshape(48, *q.shape[1:]), np.repeat(k, 16, axis=0), np.repeat(v, 16, axis=0),
+                         lengths.reshape(-1))
+    assert_close_to_oracle(np.asarray(out).reshape(48, *out.shape[2:]), np.asarray(lse).reshape(48, -1), *want,
+                           atol=2e-5)
 
+
+def _quantize(x):
     values, scales = quantize_fp8(jnp.asarray(x))
     return values, scales
 
@@ -257,13 +284,9 @@ def test_fp8_cache_accuracy_against_float32(layout):
     lengths = jnp.asarray([[61, 62, 63, 64], [1, 2, 3, 4], [0, 9, 0, 17]], jnp.int32)
     k8, k_scale = _quantize(k)
     v8, v_scale = (None, None) if v is None else _quantize(v)
-    exact, _ = chunk_attention_reference(jnp.asarray(chunk), jnp.asarray(k), None if v is None else jnp.asarray(v),
-                                         lengths, v_head_dim=dv if v is None else None)
-    results = {
-        name: impl(jnp.asarray(chunk), k8, v8, lengths, v_head_dim=dv if v is None else None, k_scale=k_scale,
-                   v_scale=v_scale)[0]
-        for name, impl in CHUNK_IMPLS.items()
-    }
+    exact, _ = CHUNK_IMPLS["reference"](jnp.asarray(chunk), make_kv(k, v, dv), lengths)
+    quantized = make_kv(k8, v8, dv, k_scale=k_scale, v_scale=v_scale)
+    results = {name: impl(jnp.asarray(chunk), quantized, lengths)[0] for name, impl in CHUNK_IMPLS.items()}
     for name, out in results.items():
         error = np.sqrt(np.mean((np.asarray(out) - np.asarray(exact)) ** 2) / np.mean(np.asarray(exact) ** 2))
         assert error < 0.04, (name, error)
@@ -272,10 +295,11 @@ def test_fp8_cache_accuracy_against_float32(layout):
 
 def test_fp8_pallas_lowers_for_gpu_and_tpu():
     S = jax.ShapeDtypeStruct
-    args = (S((4, 16, 576), jnp.bfloat16), S((256, 16, 1, 576), jnp.float8_e4m3fn), S((4,), jnp.int32),
+    args = (S((4, 2, 16, 576), jnp.bfloat16), S((256, 16, 1, 576), jnp.float8_e4m3fn), S((4, 2), jnp.int32),
             S((4, 64), jnp.int32), S((256, 16, 1), jnp.float32))
     for platform, kind, target, marker in (("cuda", "NVIDIA H200", "gpu", "__gpu$xla.gpu.triton"),
                                            ("tpu", "TPU v6 lite", "tpu", "tpu_custom_call")):
-        fn = lambda q, k, n, t, s, target=target: decode_attention_pallas(
-            q, k, None, n, block_tables=t, v_head_dim=512, k_scale=s, interpret=False, target=target)
+        def fn(q, k, n, t, s, target=target):
+            return attention_pallas(q, KVCache(k, None, k_scale=s, block_tables=t, v_head_dim=512), n,
+                                    interpret=False, target=target)
         assert marker in export_for(platform, kind, fn, *args).mlir_module()

@@ -5,12 +5,12 @@ import pytest
 
 import dcpjax
 from dcpjax import LLM, SamplingParams
-from dcpjax.output_processor import OutputProcessor
-from dcpjax.sequence import Sequence
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
+from dcpjax.output_processor import OutputProcessor
+from dcpjax.runner import build_model
+from dcpjax.sequence import Sequence
 from dcpjax.tokenizer import ByteTokenizer
 from dcpjax.weights import DictSource, load_state, model_rules, random_checkpoint
-from dcpjax.runner import build_model
 
 PROMPTS = ["Hello", "Decode context parallelism splits the KV cache by token. " * 5, "x"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=3)

@@ -6,58 +6,27 @@ Tiny model, 8 fake CPU devices, TP 8, DCP 2, and a KV cache of 24 blocks (768 to
 
 import asyncio
 import json
-import os
 import re
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 
 import httpx
 import openai
 import pytest
 
+from dcpjax.serve.launch import start_server
+
 API_KEY = "test-key"
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dcpjax.serve", "--num-cpu-devices", "8", "-tp", "8", "-dcp", "2",
-         "--served-model-name", MODEL, "--port", str(port), "--kv-cache-memory-bytes", str(24 * 4096),
-         "--max-model-len", "128", "--max-num-batched-tokens", "128", "--api-key", API_KEY,
-         "--max-request-bytes", "100000"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=1)
-            break
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(proc.stdout.read())
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    args = ["--num-cpu-devices", "8", "-tp", "8", "-dcp", "2", "--served-model-name", MODEL,
+            "--kv-cache-memory-bytes", str(24 * 4096), "--max-model-len", "128", "--max-num-batched-tokens", "128",
+            "--api-key", API_KEY, "--max-request-bytes", "100000"]
+    with start_server(args, timeout=180) as running:
+        yield running.base_url
 
 
 @pytest.fixture()
@@ -67,7 +36,7 @@ def client(server):
 
 def metric(server, name) -> float:
     text = httpx.get(f"{server}/metrics").text
-    match = re.search(rf"^dcpjax:{name}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    match = re.search(rf"^dcpjax:{name}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(match.group(1))
 
 
@@ -182,3 +151,11 @@ def test_load_holds_streams_without_errors_or_losses(server):
 
     result = asyncio.run(hold(server, MODEL, streams=24, seconds=4, input_len=32, output_len=8, api_key=API_KEY))
     assert result["completed"] > 0 and result["errors"] == 0 and result["lost"] == 0
+
+
+def test_start_server_fails_fast_with_the_servers_output():
+    """A server that exits at start-up (here: a bad flag) is an error carrying its output, not a 300 s wait."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with status 2(.|\n)*invalid choice: 'int4'"):
+        start_server(["--dtype", "int4"])
+    assert time.monotonic() - start < 60

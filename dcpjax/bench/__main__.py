@@ -17,15 +17,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 import urllib.request
 
 from dcpjax.bench.client import run_benchmark
 from dcpjax.bench.throughput import add_arguments as add_throughput_arguments
+from dcpjax.engine_args import EngineArgs
+from dcpjax.serve.launch import ServerProcess, start_server
+
+# compare's engine defaults: a mesh where DCP 2 is valid for tiny-llama, room for prefill chunks
+COMPARE_DEFAULTS = {"tensor_parallel_size": 8, "decode_context_parallel_size": 2, "max_num_batched_tokens": 512}
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +42,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    "(default: max-concurrency)")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the three subcommands (engine flags from `EngineArgs`)."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     throughput = sub.add_parser("throughput", help="offline generation speed and where each step's time goes")
@@ -51,24 +53,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     serve.add_argument("--model", help="served model name (default: the server's only model)")
     _workload_args(serve)
     compare = sub.add_parser("compare", help="DCP 1 vs DCP k at the same TP, same workload")
-    compare.add_argument("--model", default="tiny-llama")
-    compare.add_argument("--tensor-parallel-size", "-tp", type=int, default=8)
-    compare.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=2)
-    compare.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
-    compare.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
-    compare.add_argument("--kv-cache-memory-bytes", type=int)
-    compare.add_argument("--max-model-len", type=int)
-    compare.add_argument("--max-num-seqs", type=int, default=64)
-    compare.add_argument("--max-num-batched-tokens", type=int, default=512)
-    compare.add_argument("--num-cpu-devices", type=int, default=0)
+    EngineArgs.add_cli_args(compare, defaults=COMPARE_DEFAULTS)
     _workload_args(compare)
-    return p.parse_args(argv)
+    return p
 
 
-def _model_name(base_url: str, headers: dict) -> str:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed."""
+    return build_parser().parse_args(argv)
+
+
+def _served_model(base_url: str, headers: dict) -> dict:
+    """The server's (only) model from /v1/models: its "id" and "kv_cache_size_tokens"."""
     request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
     with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["data"][0]["id"]
+        return json.loads(response.read())["data"][0]
 
 
 def _bench(base_url: str, model: str, args) -> dict:
@@ -85,39 +84,8 @@ def _bench(base_url: str, model: str, args) -> dict:
     ))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_server(args, dcp: int) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    command = [sys.executable, "-m", "dcpjax.serve", "--model", args.model, "--port", str(port),
-               "-tp", str(args.tensor_parallel_size), "-dcp", str(dcp), "--max-num-seqs", str(args.max_num_seqs),
-               "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if dcp > 1:
-        command += ["--cp-kv-cache-interleave-size", str(args.cp_kv_cache_interleave_size),
-                    "--dcp-comm-backend", args.dcp_comm_backend]
-    for flag, value in (("--kv-cache-memory-bytes", args.kv_cache_memory_bytes),
-                        ("--max-model-len", args.max_model_len), ("--num-cpu-devices", args.num_cpu_devices or None),
-                        ("--api-key", args.api_key)):
-        if value is not None:
-            command += [flag, str(value)]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"{base}/health", timeout=1)
-            return proc, base
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server (DCP {dcp}) exited:\n{proc.stderr.read()[-3000:]}")
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server (DCP {dcp}) did not start in 300 s")
+def _start_server(engine_args: EngineArgs, api_key: str | None) -> ServerProcess:
+    return start_server(engine_args.to_cli_args() + (["--api-key", api_key] if api_key else []))
 
 
 def _row(name, get, runs, fmt="{:.1f}"):
@@ -141,7 +109,8 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; exit status 1 if a request failed."""
     args = parse_args(argv)
     if args.command == "throughput":
         from dcpjax.bench import throughput
@@ -149,21 +118,18 @@ def main(argv=None) -> int:
         return throughput.main(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.command == "serve":
-        result = _bench(args.base_url, args.model or _model_name(args.base_url, headers), args)
+        result = _bench(args.base_url, args.model or _served_model(args.base_url, headers)["id"], args)
         print(json.dumps(result, indent=1))
         results = {"server": result}
     else:
         results = {}
+        engine_args = EngineArgs.from_cli_args(args)
         for dcp in (1, args.decode_context_parallel_size):
-            proc, base = _start_server(args, dcp)
-            try:
-                name = _model_name(base, headers)
-                result = _bench(base, name, args)
-                result["kv_cache_size_tokens"] = _kv_cache_tokens(base, headers)
+            with _start_server(engine_args.with_dcp(dcp), args.api_key) as server:
+                model = _served_model(server.base_url, headers)
+                result = _bench(server.base_url, model["id"], args)
+                result["kv_cache_size_tokens"] = model.get("kv_cache_size_tokens")
                 results[f"TP {args.tensor_parallel_size} DCP {dcp}"] = result
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
         print(f"\n{args.model}: input {args.input_len}, output {args.output_len}, {args.num_prompts} prompts, "
               f"concurrency {args.max_concurrency}, request rate {args.request_rate}\n")
         print(table(results))
@@ -171,13 +137,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0 if all(r["failed"] == 0 for r in results.values()) else 1
-
-
-def _kv_cache_tokens(base: str, headers: dict) -> int | None:
-    request = urllib.request.Request(f"{base}/v1/models", headers=headers)
-    with urllib.request.urlopen(request, timeout=10) as response:
-        data = json.loads(response.read())["data"][0]
-    return data.get("kv_cache_size_tokens")
 
 
 if __name__ == "__main__":

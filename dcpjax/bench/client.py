@@ -82,14 +82,14 @@ async def _poll_kv_usage(client: httpx.AsyncClient, base_url: str, peak: list, s
     while not stop.is_set():
         try:
             text = (await client.get(f"{base_url}/metrics")).text
-            match = re.search(r"^dcpjax:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+            match = re.search(r"^dcpjax:kv_cache_usage_perc\{[^}]*\} ([0-9.e+-]+)$", text, re.MULTILINE)
             if match:
                 peak[0] = max(peak[0], float(match.group(1)))
         except httpx.HTTPError:
             pass
         try:
             await asyncio.wait_for(stop.wait(), timeout=0.02)  # short runs last a fraction of a second
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

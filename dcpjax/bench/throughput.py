@@ -25,29 +25,28 @@ import argparse
 import json
 import time
 
+from dcpjax.engine_args import EngineArgs
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-llama", help="HF folder or built-in name")
+    """The workload flags, then the engine flags (`EngineArgs`, with this benchmark's defaults)."""
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1)
-    p.add_argument("--cp-kv-cache-interleave-size", type=int, default=1)
-    p.add_argument("--dcp-comm-backend", choices=["ag_rs", "a2a"], default="ag_rs")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--attention-backend", choices=["auto", "pallas", "reference"], default="auto")
-    p.add_argument("--max-num-seqs", type=int, help="default: num-prompts")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    p.add_argument("--kv-cache-memory-bytes", type=int, help="default: room for every sequence at once")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-async-scheduling", action="store_true", help="time the synchronous loop instead")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
-    p.add_argument("--num-cpu-devices", type=int, default=0, help="fake this many CPU devices (0: real devices)")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time Hugging Face transformers' generate on the same folder and prompts")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    EngineArgs.add_cli_args(
+        p, defaults={"max_num_batched_tokens": 4096, "max_num_seqs": None},
+        default_help={"max_num_seqs": "--num-prompts", "max_model_len": "input-len + output-len + 1"},
+    )
+
+
+def engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine of this run: room for every prompt at once, max_model_len = input + output + 1."""
+    return EngineArgs.from_cli_args(args, max_num_seqs=args.max_num_seqs or args.num_prompts,
+                                    max_model_len=args.max_model_len or args.input_len + args.output_len + 1)
 
 
 def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -109,35 +108,25 @@ def _transformers_generate(folder: str, prompts: list[list[int]], output_len: in
                 version=transformers.__version__, torch=torch.__version__)
 
 
-def run(args) -> dict:
-    if args.num_cpu_devices:
-        from dcpjax.devices import use_cpu_devices
+def run(args: argparse.Namespace) -> dict:
+    """The benchmark: warm-up, timed run, synchronous pass (breakdown), transformers (optional)."""
+    from dcpjax.models.config import TINY_MODELS
 
-        use_cpu_devices(args.num_cpu_devices)
+    engine = engine_args(args)
+    if args.compare_transformers and engine.model in TINY_MODELS:
+        raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder "
+                         "(benchmarks/make_hf_llama.py writes the issue's tiny Llama)")
+    engine.use_cpu_devices()
     import jax
 
     import dcpjax
 
-    from dcpjax.models.config import TINY_MODELS
-
-    if args.compare_transformers and args.model in TINY_MODELS:
-        raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder "
-                         "(benchmarks/make_hf_llama.py writes the issue's tiny Llama)")
-    max_model_len = args.input_len + args.output_len + 1
-    max_num_seqs = args.max_num_seqs or args.num_prompts
-    llm = dcpjax.LLM(
-        args.model, tensor_parallel_size=args.tensor_parallel_size,
-        decode_context_parallel_size=args.decode_context_parallel_size,
-        cp_kv_cache_interleave_size=args.cp_kv_cache_interleave_size, dcp_comm_backend=args.dcp_comm_backend,
-        dtype=args.dtype, max_model_len=max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        attention_backend=args.attention_backend, block_size=args.block_size, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-        async_scheduling=not args.no_async_scheduling,
-    )
+    llm = engine.create_llm()
+    max_num_seqs = engine.max_num_seqs
     vocab = llm.model_config.vocab_size
     prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    mode = not args.no_async_scheduling
+    mode = engine.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
     main = _timed_generate(llm, prompts, params, mode)
     result = dict(
@@ -167,21 +156,22 @@ def run(args) -> dict:
 
 
 def report(r: dict) -> str:
+    """The human-readable report of `run`'s result."""
     t = r["timings"]
     steps = max(t["steps"], 1)
     per_step = lambda key: 1e3 * t[key] / steps
     lines = [
-        f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
-        f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling",
-        f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
-        f"elapsed {r['elapsed_s']:.2f} s, {t['steps']} steps ({t['model_calls']} model calls), "
-        f"recompilations while timed: {r['recompilations']}",
+        (f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
+         f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling"),
+        (f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
+         f"elapsed {r['elapsed_s']:.2f} s, {t['steps']} steps ({t['model_calls']} model calls), "
+         f"recompilations while timed: {r['recompilations']}"),
         "",
         "| per step (ms) | schedule | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",
         "|---|---:|---:|---:|---:|---:|---:|",
-        f"| mean | {per_step('schedule'):.3f} | {per_step('prepare'):.3f} | {per_step('dispatch'):.3f} | "
-        f"{per_step('wait'):.3f} | {per_step('process'):.3f} | "
-        f"{per_step('schedule') + per_step('prepare') + per_step('dispatch') + per_step('process'):.3f} |",
+        (f"| mean | {per_step('schedule'):.3f} | {per_step('prepare'):.3f} | {per_step('dispatch'):.3f} | "
+         f"{per_step('wait'):.3f} | {per_step('process'):.3f} | "
+         f"{per_step('schedule') + per_step('prepare') + per_step('dispatch') + per_step('process'):.3f} |"),
         "",
         f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
     ]
@@ -198,7 +188,8 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
+    """Run and print the report (or JSON)."""
     result = run(args)
     print(json.dumps(result, indent=1) if args.json else report(result))
     return 0

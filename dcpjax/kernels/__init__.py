@@ -1,17 +1,22 @@
-"""Decode attention kernels that return (out, lse): Pallas and a jnp reference."""
+"""Attention kernels over a paged `KVCache` that return (out, lse): Pallas and a jnp reference.
 
-from dcpjax.kernels.dispatch import ATTENTION_BACKENDS, chunk_attention, decode_attention, resolve_backend
-from dcpjax.kernels.pallas_decode import chunk_attention_pallas, decode_attention_pallas
-from dcpjax.kernels.reference import chunk_attention_reference, decode_attention_reference, gather_pages
+Pure maths, no mesh: `dcpjax.sharding` imports this package, never the reverse.
+"""
+
+from dcpjax.kernels.common import ATTENTION_BACKENDS, AttentionOptions, check_attention_backend
+from dcpjax.kernels.dispatch import attention, decode_attention, resolve_backend
+from dcpjax.kernels.kv_cache import KVCache, gather_pages, quantize_fp8
+from dcpjax.kernels.pallas import attention_pallas
 
 __all__ = [
     "ATTENTION_BACKENDS",
-    "chunk_attention",
-    "chunk_attention_pallas",
-    "chunk_attention_reference",
+    "AttentionOptions",
+    "KVCache",
+    "attention",
+    "attention_pallas",
+    "check_attention_backend",
     "decode_attention",
-    "decode_attention_pallas",
-    "decode_attention_reference",
     "gather_pages",
+    "quantize_fp8",
     "resolve_backend",
 ]

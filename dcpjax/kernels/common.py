@@ -1,19 +1,13 @@
-"""Shapes and checks shared by every decode-attention implementation.
+"""The attention contract every implementation shares, its checks and its static options.
 
-The contract (all implementations):
-  q:        [batch, q_heads, dk]
-  k:        contiguous [batch, seq, kv_heads, dk], or paged
-            [num_blocks, block_size, kv_heads, dk] with `block_tables`
-  v:        like k with dv last, or None for MLA's latent form (V = K[..., :v_head_dim])
-  lengths:  [batch] int, valid tokens per sequence (0 allowed)
-  block_tables: [batch, max_blocks] int, paged only
-Returns out [batch, q_heads, dv] in q's dtype and lse [batch, q_heads] float32,
-natural-log based; a sequence of length 0 gives out = 0 and lse = -inf.
-
-The chunk form adds a query axis (several queries per sequence: prefill chunks,
-speculative decode), each query with its own causal bound:
-  q [batch, T, q_heads, dk], lengths [batch, T] -> out [batch, T, q_heads, dv],
-  lse [batch, T, q_heads].
+  q:       [batch, T, q_heads, dk], T queries per sequence (decode: T = 1; prefill
+           chunks and speculative drafts: T > 1)
+  kv:      a `KVCache` (paged pools and block tables [batch, pages]; v None is MLA's
+           latent form, V = K[..., :v_head_dim]; optional fp8 scales)
+  lengths: [batch, T] int, query t of sequence b sees tokens 0 .. lengths[b, t] - 1
+           (0 allowed: padding, or a DCP rank that owns none of them)
+Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads]
+float32, natural-log based; a query with no visible token gives out 0, lse -inf.
 """
 
 from __future__ import annotations
@@ -24,74 +18,80 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dcpjax.kernels.kv_cache import KVCache
+
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+
 
 @dataclasses.dataclass(frozen=True)
-class DecodeShapes:
+class AttentionOptions:
+    """Static choices of an attention call (hashable: part of a jit cache key).
+
+    sm_scale: softmax scale (default 1/sqrt(dk)).
+    backend: "auto" (Pallas on GPU/TPU when the shapes fit its tiles, else the jnp
+      reference), "pallas" or "reference".
+    platform: where it runs, "cpu" | "gpu" | "tpu" (default: JAX's default backend).
+    """
+
+    sm_scale: float | None = None
+    backend: str = "auto"
+    platform: str | None = None
+
+    def __post_init__(self):
+        check_attention_backend(self.backend)
+
+    def scale(self, dk: int) -> float:
+        return 1.0 / math.sqrt(dk) if self.sm_scale is None else float(self.sm_scale)
+
+
+def check_attention_backend(attention_backend: str) -> None:
+    if attention_backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {attention_backend!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShapes:
     batch: int
+    queries: int
     q_heads: int
     kv_heads: int
     dk: int
     dv: int
-    paged: bool
-    block_size: int  # tokens per page (contiguous: the whole sequence)
-    pages_per_seq: int  # block-table width (contiguous: 1)
+    block_size: int
+    pages: int  # block-table width
 
     @property
     def group(self) -> int:
         return self.q_heads // self.kv_heads
 
 
-def check_decode_args(q, k, v, lengths, block_tables, v_head_dim) -> DecodeShapes:
-    """Validate the contract above; return the sizes every implementation needs."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-    if k.ndim != 4:
-        raise ValueError(f"k must be [batch, seq, kv_heads, dk] or [num_blocks, block_size, kv_heads, dk], got {k.shape}")
-    batch, q_heads, dk = q.shape
-    kv_heads = k.shape[2]
-    if k.shape[3] != dk:
-        raise ValueError(f"q head_dim {dk} != k head_dim {k.shape[3]}")
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
-    if v is None:
-        if v_head_dim is None or not 0 < v_head_dim <= dk:
-            raise ValueError(f"with v=None (MLA latent form) pass 0 < v_head_dim <= {dk}, got {v_head_dim}")
-        dv = v_head_dim
-    else:
-        if v.shape[:3] != k.shape[:3]:
-            raise ValueError(f"v {v.shape} must match k {k.shape} except in the last dimension")
-        dv = v.shape[3]
-    if lengths.shape != (batch,):
-        raise ValueError(f"lengths must be [batch] = [{batch}], got {lengths.shape}")
-    paged = block_tables is not None
-    if paged:
-        if block_tables.ndim != 2 or block_tables.shape[0] != batch:
-            raise ValueError(f"block_tables must be [batch={batch}, max_blocks], got {block_tables.shape}")
-        block_size, pages_per_seq = k.shape[1], block_tables.shape[1]
-    else:
-        if k.shape[0] != batch:
-            raise ValueError(f"contiguous k must have batch {batch} first, got {k.shape}")
-        block_size, pages_per_seq = k.shape[1], 1
-    return DecodeShapes(batch, q_heads, kv_heads, dk, dv, paged, block_size, pages_per_seq)
-
-
-def check_chunk_args(q, k, v, lengths, block_tables, v_head_dim) -> DecodeShapes:
-    """The contract with a query axis: q [batch, T, q_heads, dk], lengths [batch, T]."""
+def check_attention_args(q, kv: KVCache, lengths) -> AttentionShapes:
+    """Validate the contract above once; return the sizes every implementation needs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, queries, q_heads, head_dim], got shape {q.shape}")
-    if lengths.shape != q.shape[:2]:
-        raise ValueError(f"lengths must be [batch, queries] = {list(q.shape[:2])}, got {list(lengths.shape)}")
-    one_query = jax.ShapeDtypeStruct((q.shape[0], *q.shape[2:]), q.dtype)
-    return check_decode_args(one_query, k, v, jax.ShapeDtypeStruct(q.shape[:1], lengths.dtype), block_tables, v_head_dim)
-
-
-def default_sm_scale(dk: int, sm_scale: float | None) -> float:
-    return 1.0 / math.sqrt(dk) if sm_scale is None else float(sm_scale)
-
-
-def value_view(k, v, v_head_dim):
-    """V itself, or MLA's latent: the first v_head_dim features of K."""
-    return k[..., :v_head_dim] if v is None else v
+    if kv.k.ndim != 4:
+        raise ValueError(f"kv.k must be [num_blocks, block_size, kv_heads, dk], got {kv.k.shape}")
+    batch, queries, q_heads, dk = q.shape
+    kv_heads = kv.k.shape[2]
+    if kv.k.shape[3] != dk:
+        raise ValueError(f"q head_dim {dk} != k head_dim {kv.k.shape[3]}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads ({q_heads}) must be a multiple of kv_heads ({kv_heads})")
+    if kv.v is None:
+        if not 0 < kv.v_head_dim <= dk:
+            raise ValueError(f"an MLA latent cache (v=None) needs 0 < v_head_dim <= {dk}, got {kv.v_head_dim}")
+        dv = kv.v_head_dim
+    else:
+        if kv.v.shape[:3] != kv.k.shape[:3]:
+            raise ValueError(f"v {kv.v.shape} must match k {kv.k.shape} except in the last dimension")
+        dv = kv.v.shape[3]
+    if tuple(lengths.shape) != (batch, queries):
+        raise ValueError(f"lengths must be [batch, queries] = {[batch, queries]}, got {list(lengths.shape)}")
+    tables = kv.block_tables
+    if tables is None or tables.ndim != 2 or tables.shape[0] != batch:
+        got = None if tables is None else tables.shape
+        raise ValueError(f"kv.block_tables must be [batch={batch}, pages], got {got}")
+    return AttentionShapes(batch, queries, q_heads, kv_heads, dk, dv, kv.k.shape[1], tables.shape[1])
 
 
 def finish_softmax(acc, row_max, row_sum, out_dtype):

@@ -1,12 +1,16 @@
-"""Pallas GPU (Triton) split-K decode kernel over paged KV.
+"""Pallas GPU (Triton) split-K attention kernel over paged KV, for a tile of queries.
 
-One program per (sequence, KV head, KV split) loads the group's query rows
-once, walks its share of the sequence's pages with an online softmax in
-float32, and writes an unmerged partial (out, lse); the splits are merged with
-the same exact LSE merge that DCP uses across devices. Triton tiles must be
-powers of two: query rows are padded by the caller, head dims are loaded in
-power-of-two chunks (MLA's 576 = 512 + 64), and pages must be a power of two
-(>= 16 for tensor-core dots). Also runs with `interpret=True` on CPU.
+The query rows of one (sequence, KV head) are the T queries x G heads of its group
+(T = 1 at decode, a prefill chunk or speculative draft otherwise), each row with its
+own causal bound. One program per (sequence, KV head, block of rows, KV split)
+loads its rows once, walks its share of the sequence's pages up to the longest
+bound among them with an online softmax in float32, and writes an unmerged partial
+(out, lse); the splits are merged with the same exact LSE merge that DCP uses across
+devices. So a page is loaded once per block of rows, not once per query.
+
+Triton tiles must be powers of two: query rows are padded by the caller, head dims
+are loaded in power-of-two chunks (MLA's 576 = 512 + 64), and pages must be a power
+of two (>= 16 for tensor-core dots). Also runs with `interpret=True` on CPU.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from dcpjax.kernels.common import dot_f32
-from dcpjax.sharding.merge import merge_partials
+from dcpjax.kernels.merge import merge_partials
 
 
 def pow2_chunks(size: int) -> tuple[tuple[int, int], ...]:
@@ -51,18 +55,19 @@ def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -
 
 
 def _gpu_kernel(
-    lengths_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+    tables_ref, bounds_ref, q_ref, k_ref, v_ref, *refs,
     sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
-    """q_ref [rows, dk]; k_ref [N, bs, Hkv, dk]; v_ref [N, bs, Hkv, dv] (unused if v_from_k);
-    if scaled (fp8 cache): ks_ref, vs_ref [N, bs, Hkv] per-token dequantisation scales;
-    tables_ref [B, P]; lengths_ref [B]; out_ref [rows, dv] f32; lse_ref [rows] f32."""
+    """q_ref [rows, dk]; bounds_ref [rows] causal bound per row; k_ref [N, bs, Hkv, dk];
+    v_ref [N, bs, Hkv, dv] (unused if v_from_k); if scaled (fp8 cache): ks_ref, vs_ref
+    [N, bs, Hkv] per-token dequantisation scales; tables_ref [B, P]; out_ref [rows, dv] f32;
+    lse_ref [rows] f32."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, split = pl.program_id(0), pl.program_id(2)
     head = pl.program_id(1) // row_blocks  # axis 1 walks (KV head, block of query rows)
-    length = lengths_ref[seq]
+    bounds = bounds_ref[...]
     first_page = split * pages_per_split
-    num_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_split)
+    num_pages = jnp.clip(pl.cdiv(jnp.max(bounds), block_size) - first_page, 0, pages_per_split)
     q_parts = [q_ref[:, pl.ds(start, width)] for start, width in k_chunks]
     rows = q_parts[0].shape[0]
 
@@ -75,11 +80,12 @@ def _gpu_kernel(
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * ks_ref[page, :, head][None, :]
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(positions < length, scores, -jnp.inf)
-        # Only pages holding >= 1 valid token are visited, so new_max is finite.
+        scores = jnp.where(positions < bounds[:, None], scores, -jnp.inf)
+        # A row may see no token of this page (shorter bound, padding): keep its max finite.
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
-        rescale = jnp.exp(row_max - new_max)
-        probs = jnp.exp(scores - new_max[:, None])
+        safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+        rescale = jnp.exp(row_max - safe_max)
+        probs = jnp.exp(scores - safe_max[:, None])
         row_sum = row_sum * rescale + jnp.sum(probs, axis=1)
         if v_from_k:
             v_parts = k_parts[: len(v_chunks)]
@@ -104,21 +110,23 @@ def _gpu_kernel(
     lse_ref[...] = jnp.where(has_tokens, row_max + jnp.log(denominator), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret"))
-def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
-                     num_splits: int | None, interpret: bool = False):
-    """Split-K decode over pages.
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret", "block_rows"))
+def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
+                        num_splits: int | None, interpret: bool = False, block_rows: int | None = None):
+    """Split-K attention of query rows over pages.
 
     Args:
-      qg: [batch, kv_heads, rows, dk] query heads grouped by KV head (rows padded).
+      qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
+      bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
       k: [num_blocks, block_size, kv_heads, dk]; v: [..., dv] or None (V = K[..., :dv]).
       k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 for an fp8 cache (else None).
-      lengths: [batch] int32; block_tables: [batch, pages] int32.
+      block_tables: [batch, pages] int32.
+      block_rows: query rows per program (default `rows_per_program`; a power of two dividing rows).
     Returns out [batch, kv_heads, rows, dv] f32 and lse [batch, kv_heads, rows] f32.
     """
     batch, kv_heads, rows, dk = qg.shape
     block_size, pages = k.shape[1], block_tables.shape[1]
-    block_rows = rows_per_program(rows, dk, dv)
+    block_rows = min(block_rows or rows_per_program(rows, dk, dv), rows)
     row_blocks = rows // block_rows
     splits = max(1, min(num_splits or default_num_splits(batch, kv_heads * row_blocks, pages, interpret), pages))
     pages_per_split = pl.cdiv(pages, splits)
@@ -142,8 +150,8 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
         kernel,
         grid=(batch, kv_heads * row_blocks, splits),
         in_specs=[
-            whole(lengths.shape),
             whole(block_tables.shape),
+            pl.BlockSpec((None, block_rows), lambda b, g, s: (b, g % row_blocks)),
             pl.BlockSpec((None, None, block_rows, dk), lambda b, g, s: (b, g // row_blocks, g % row_blocks, 0)),
             whole(k.shape),
             whole(values.shape),
@@ -158,6 +166,6 @@ def paged_decode_gpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
         ],
         interpret=interpret,
         compiler_params=compiler_params,
-        name="dcpjax_decode_attention_gpu",
-    )(lengths, block_tables, qg, k, values, *scales)
+        name="dcpjax_paged_attention_gpu",
+    )(block_tables, bounds, qg, k, values, *scales)
     return merge_partials(partial_out, partial_lse, axis=2)

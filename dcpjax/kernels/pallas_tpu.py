@@ -1,11 +1,14 @@
-"""Pallas TPU (Mosaic) decode kernel over paged KV: one page per grid step.
+"""Pallas TPU (Mosaic) attention kernel over paged KV, for a tile of queries: one page per grid step.
 
-Grid (sequence, KV head, page), the page axis sequential ("arbitrary"): the
-block table and lengths are scalar-prefetched into SMEM and pick, per step,
-the physical page whose K/V block Pallas pipelines from HBM into VMEM. A
-running max, sum and accumulator live in VMEM scratch (online softmax, float32);
-the last page writes out and LSE. Pages past a sequence's length re-use the
-index of its last valid page, so they cost no DMA and no compute.
+The query rows of one (sequence, KV head) are the T queries x G heads of its group
+(T = 1 at decode), each row with its own causal bound. Grid (sequence, KV head,
+block of rows, page), the page axis sequential ("arbitrary"): the block table and
+each row block's longest bound are scalar-prefetched into SMEM and pick, per step,
+the physical page whose K/V block Pallas pipelines from HBM into VMEM, so a page
+is fetched once per block of rows, not once per query. A running max, sum and
+accumulator live in VMEM scratch (online softmax, float32); the last page writes out
+and LSE. Pages past a block's longest bound re-use the index of its last valid page,
+so they cost no DMA and no compute.
 
 TPU tiling: K/V are viewed as [num_blocks, block_size, kv_heads * d] and one
 head is the block (block_size, d) along the last axis, so d must be a multiple
@@ -42,17 +45,24 @@ def tpu_tiling_problem(kv_heads: int, dk: int, dv: int, block_size: int, shared_
     return None
 
 
-def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_size, dv, v_from_k, scaled):
-    """q_ref [rows, dk]; k_ref [bs, dk]; then v_ref [bs, dv] unless v_from_k (MLA: V is K's
-    first dv lanes, so K is fetched once); then, for an fp8 cache, ks_ref and vs_ref [bs, 1];
-    out_ref [rows, dv]; lse_ref [rows, LANES]; scratch max_scr, sum_scr [rows, LANES]
-    (all lanes equal) and acc_scr [rows, dv]."""
+def tpu_block_rows(rows: int, dk: int, dv: int, max_elements: int = 131072) -> int:
+    """Query rows per grid step: a multiple of 8 with block_rows * max(dk, dv) capped, so the
+    q block and the f32 accumulator (512 KiB each at the cap) sit in VMEM with room to spare."""
+    cap = max(SUBLANES, max_elements // max(dk, dv) // SUBLANES * SUBLANES)
+    return min(-(-rows // SUBLANES) * SUBLANES, cap)
+
+
+def _tpu_kernel(tables_ref, tile_bound_ref, q_ref, bounds_ref, k_ref, *refs, sm_scale, block_size, dv, v_from_k,
+                scaled):
+    """q_ref [rows, dk]; bounds_ref [rows, 1] causal bound per row; k_ref [bs, dk]; then
+    v_ref [bs, dv] unless v_from_k (MLA: V is K's first dv lanes, so K is fetched once); then,
+    for an fp8 cache, ks_ref and vs_ref [bs, 1]; out_ref [rows, dv]; lse_ref [rows, LANES];
+    scratch max_scr, sum_scr [rows, LANES] (all lanes equal) and acc_scr [rows, dv]."""
     refs = list(refs)
     v_ref = None if v_from_k else refs.pop(0)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
     out_ref, lse_ref, max_scr, sum_scr, acc_scr = refs
-    seq, page = pl.program_id(0), pl.program_id(2)
-    length = lengths_ref[seq]
+    seq, row_block, page = pl.program_id(0), pl.program_id(2), pl.program_id(3)
 
     @pl.when(page == 0)
     def _init():
@@ -60,7 +70,7 @@ def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_si
         sum_scr[...] = jnp.zeros(sum_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    @pl.when(page * block_size < length)
+    @pl.when(page * block_size < tile_bound_ref[seq, row_block])
     def _visit():
         q = q_ref[...]
         k = k_ref[...].astype(q.dtype)
@@ -68,18 +78,19 @@ def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_si
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * jnp.transpose(ks_ref[...])
         positions = page * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(positions < length, scores, -jnp.inf)
+        scores = jnp.where(positions < bounds_ref[...], scores, -jnp.inf)
         old_max = max_scr[...]
-        new_max = jnp.maximum(old_max, jnp.max(scores, axis=1, keepdims=True))  # this page has a valid token
-        rescale = jnp.exp(old_max - new_max)
-        probs = jnp.exp(scores - new_max[:, :1])
+        new_max = jnp.maximum(old_max, jnp.max(scores, axis=1, keepdims=True))
+        safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)  # a row may see none of this page
+        rescale = jnp.exp(old_max - safe_max)
+        probs = jnp.exp(scores - safe_max[:, :1])
         sum_scr[...] = sum_scr[...] * rescale + jnp.sum(probs, axis=1, keepdims=True)
         values = k[:, :dv] if v_from_k else v_ref[...].astype(q.dtype)
         weighted = probs * jnp.transpose(vs_ref[...]) if scaled else probs
         acc_scr[...] = acc_scr[...] * rescale[:, :1] + dot_f32(weighted.astype(values.dtype), values, 0)
         max_scr[...] = new_max
 
-    @pl.when(page == pl.num_programs(2) - 1)
+    @pl.when(page == pl.num_programs(3) - 1)
     def _finish():
         total = sum_scr[...]
         has_tokens = total > 0
@@ -88,22 +99,60 @@ def _tpu_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale, block_si
         lse_ref[...] = jnp.where(has_tokens, max_scr[...] + jnp.log(denominator), -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "interpret"))
-def paged_decode_tpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
-                     interpret: bool = False):
-    """Decode attention over pages on TPU (no KV splits: one core walks a sequence).
+def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_k: bool, scaled: bool):
+    """Blocks of one grid step (sequence b, KV head h, row block r, page p): the row block's
+    q and bounds, the page's K (and V, scales) picked through the prefetched block table."""
+
+    def kv_block(b, h, r, p, tables_ref, tile_bound_ref):
+        last_page = jnp.maximum(pl.cdiv(tile_bound_ref[b, r], block_size) - 1, 0)
+        return tables_ref[b, jnp.minimum(p, last_page)], 0, h
+
+    rows_of = lambda b, h, r, p, *_: (b, h, r, 0)
+    return pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=grid,
+        in_specs=[
+            pl.BlockSpec((None, None, block_rows, dk), rows_of),
+            pl.BlockSpec((None, block_rows, 1), lambda b, h, r, p, *_: (b, r, 0)),
+            pl.BlockSpec((None, block_size, dk), kv_block),
+        ] + ([] if v_from_k else [pl.BlockSpec((None, block_size, dv), kv_block)])
+        + ([pl.BlockSpec((None, block_size, 1), kv_block)] * 2 if scaled else []),
+        out_specs=[
+            pl.BlockSpec((None, None, block_rows, dv), rows_of),
+            pl.BlockSpec((None, None, block_rows, LANES), rows_of),
+        ],
+        scratch_shapes=[
+            pltpu.VMEM((block_rows, LANES), jnp.float32),
+            pltpu.VMEM((block_rows, LANES), jnp.float32),
+            pltpu.VMEM((block_rows, dv), jnp.float32),
+        ],
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "interpret", "block_rows"))
+def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
+                        interpret: bool = False, block_rows: int | None = None):
+    """Attention of query rows over pages on TPU (no KV splits: one core walks a sequence).
 
     Args:
-      qg: [batch, kv_heads, rows, dk] query heads grouped by KV head (rows padded).
+      qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
+      bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
       k: [num_blocks, block_size, kv_heads, dk]; v: [..., dv] or None (V = K[..., :dv]).
-      lengths: [batch] int32; block_tables: [batch, pages] int32.
+      block_tables: [batch, pages] int32.
       k_scale, v_scale: [num_blocks, block_size, 1] float32 for an fp8 cache (one KV head), else None.
+      block_rows: query rows per grid step (default `tpu_block_rows`; a multiple of 8).
     Returns out [batch, kv_heads, rows, dv] f32 and lse [batch, kv_heads, rows] f32.
     """
     batch, kv_heads, rows, dk = qg.shape
+    block_rows = block_rows or tpu_block_rows(rows, dk, dv)
+    row_blocks = -(-rows // block_rows)
+    padded = row_blocks * block_rows
+    if padded != rows:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
+        bounds = jnp.pad(bounds, ((0, 0), (0, padded - rows)))
+    tile_bound = jnp.max(bounds.reshape(batch, row_blocks, block_rows), axis=2)  # [B, row_blocks]
     scaled = k_scale is not None
     num_blocks, block_size = k.shape[:2]
-    pages = block_tables.shape[1]
     v_from_k = v is None
     # One head is a lane-aligned slice of the flattened last axis: a free reshape.
     kv_inputs = [k.reshape(num_blocks, block_size, kv_heads * dk)]
@@ -112,42 +161,21 @@ def paged_decode_tpu(qg, k, v, lengths, block_tables, k_scale=None, v_scale=None
     if scaled:
         kv_inputs += [k_scale, k_scale if v_scale is None else v_scale]
 
-    def kv_block(b, h, p, lengths_ref, tables_ref):
-        last_page = jnp.maximum(pl.cdiv(lengths_ref[b], block_size) - 1, 0)
-        return tables_ref[b, jnp.minimum(p, last_page)], 0, h
-
-    per_head = lambda b, h, p, *_: (b, h, 0, 0)
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
-        grid=(batch, kv_heads, pages),
-        in_specs=[
-            pl.BlockSpec((None, None, rows, dk), per_head),
-            pl.BlockSpec((None, block_size, dk), kv_block),
-        ] + ([] if v_from_k else [pl.BlockSpec((None, block_size, dv), kv_block)])
-        + ([pl.BlockSpec((None, block_size, 1), kv_block)] * 2 if scaled else []),
-        out_specs=[
-            pl.BlockSpec((None, None, rows, dv), per_head),
-            pl.BlockSpec((None, None, rows, LANES), per_head),
-        ],
-        scratch_shapes=[
-            pltpu.VMEM((rows, LANES), jnp.float32),
-            pltpu.VMEM((rows, LANES), jnp.float32),
-            pltpu.VMEM((rows, dv), jnp.float32),
-        ],
-    )
+    grid = (batch, kv_heads, row_blocks, block_tables.shape[1])
+    grid_spec = _grid_spec(grid, block_rows, block_size, dk, dv, v_from_k, scaled)
     kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, block_size=block_size, dv=dv, v_from_k=v_from_k,
                                scaled=scaled)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
         out_shape=[
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, dv), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, rows, LANES), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, padded, dv), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, padded, LANES), jnp.float32),
         ],
         compiler_params=None if interpret else pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "arbitrary")
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
         ),
         interpret=interpret,
-        name="dcpjax_decode_attention_tpu",
-    )(lengths, block_tables, qg, *kv_inputs)
-    return out, lse[..., 0]
+        name="dcpjax_paged_attention_tpu",
+    )(block_tables, tile_bound, qg, bounds[..., None], *kv_inputs)
+    return out[:, :, :rows], lse[:, :, :rows, 0]

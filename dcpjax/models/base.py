@@ -7,24 +7,62 @@ pre-norm residual layers, final norm and the vocab-parallel LM head are common.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
+from dcpjax.kernels import AttentionOptions, KVCache
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import LMHead, RMSNorm, VocabEmbedding, gather_vocab
+from dcpjax.sharding.local_ops import owned_slots
 
 
 @dataclasses.dataclass(frozen=True)
 class StepContext:
-    """Static facts of one compiled step, shared by every layer."""
+    """Static facts of one compiled step, shared by every layer.
+
+    attention: backend and the mesh's platform; each attention layer sets its own scale.
+    """
 
     pc: ParallelConfig
-    block_size: int
-    attention_backend: str = "auto"
-    platform: str = "cpu"  # of the mesh's devices: picks the attention kernel
+    attention: AttentionOptions = dataclasses.field(default_factory=AttentionOptions)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["tokens", "positions", "valid", "last_index", "block_tables", "slots"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's rows, from the runner through the model to attention (replicated arrays).
+
+    tokens, positions, valid: [B, T] (padding has valid False); last_index: [B], the chunk
+    index whose next-token logits are wanted; block_tables: [B, P], shared by all DCP ranks;
+    slots: [B * T], where this DCP rank stores each token (`PAD_SLOT` if it does not own it):
+    computed once per step inside `shard_map` (`on_rank`), not once per layer.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    valid: jax.Array
+    last_index: jax.Array
+    block_tables: jax.Array
+    slots: jax.Array | None = None
+
+    @property
+    def causal_lengths(self) -> jax.Array:
+        """[B, T] attention bounds: the token at position p sees positions 0..p; padding nothing."""
+        return jnp.where(self.valid, self.positions + 1, 0)
+
+    def on_rank(self, block_size: int, pc: ParallelConfig) -> StepBatch:
+        """This DCP rank's slots for the step's tokens (inside shard_map)."""
+        slots = owned_slots(self.positions, self.block_tables, block_size, pc, valid=self.valid)
+        return dataclasses.replace(self, slots=slots.reshape(-1))
 
 
 def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
@@ -46,8 +84,8 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        attended, kv = self.attention(self.input_norm(x), positions, valid, kv, block_tables, ctx)
+    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
+        attended, kv = self.attention(self.input_norm(x), batch, kv, ctx)
         x = x + attended
         return x + self.mlp(self.post_attention_norm(x)), kv
 
@@ -63,24 +101,22 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype)
         self.vocab_size = cfg.vocab_size
 
-    def __call__(self, tokens, positions, valid, last_index, kv_caches, block_tables, ctx: StepContext):
+    def __call__(self, batch: StepBatch, kv_caches: tuple[KVCache, ...], ctx: StepContext):
         """One chunk of T tokens per sequence.
 
         Args:
-          tokens, positions, valid: [B, T] (padding has valid False).
-          last_index: [B] the chunk index whose next-token logits are wanted.
-          kv_caches: per layer, a tuple of this rank's KV pools ((k, v) for GQA, (latent,) for
-            MLA), each (pages [num_blocks, bs, kv_local, d], fp8 scales [num_blocks, bs, kv_local]
-            or None).
-          block_tables: [B, P] shared by all ranks.
+          batch: the step's rows (`StepBatch`).
+          kv_caches: per layer, this rank's `KVCache` (pools [num_blocks, bs, kv_local, d], or
+            MLA's latent; fp8 scales or None; no block tables: they come with the batch).
         Returns:
           logits [B, vocab] float32 (replicated) and the updated kv_caches.
         """
-        x = self.embed(tokens)
+        batch = batch.on_rank(kv_caches[0].block_size, ctx.pc)
+        x = self.embed(batch.tokens)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, positions, valid, kv, block_tables, ctx)
+            x, kv = layer(x, batch, kv, ctx)
             new_caches.append(kv)
-        last = self.norm(jnp.take_along_axis(x, last_index[:, None, None], axis=1)[:, 0])  # [B, hidden]
+        last = self.norm(jnp.take_along_axis(x, batch.last_index[:, None, None], axis=1)[:, 0])  # [B, hidden]
         local = self.embed.attend(last) if self.lm_head is None else self.lm_head(last)
         return gather_vocab(local, self.vocab_size), tuple(new_caches)

@@ -38,7 +38,7 @@ class RopeConfig:
     truncate: bool = True
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "RopeConfig":
+    def from_hf(cls, config: dict[str, Any]) -> RopeConfig:
         params = config.get("rope_parameters")
         if isinstance(params, dict) and "rope_theta" in params:
             params = dict(params)  # current transformers: theta inside
@@ -96,9 +96,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
-    bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
-    dtype: str = "float32"  # the checkpoint's torch_dtype
 
     @property
     def use_mla(self) -> bool:
@@ -110,7 +108,7 @@ class ModelConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         """From a parsed `config.json`; ValueError names an unsupported architecture or field."""
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else None
@@ -165,13 +163,11 @@ class ModelConfig:
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             sparse_layers=sparse,
             **mla,
-            bos_token_id=config.get("bos_token_id"),
             eos_token_id=eos,
-            dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"),
         )
 
     @classmethod
-    def from_pretrained(cls, folder: str | pathlib.Path) -> "ModelConfig":
+    def from_pretrained(cls, folder: str | pathlib.Path) -> ModelConfig:
         path = pathlib.Path(folder) / "config.json"
         if not path.is_file():
             raise ValueError(f"{folder} has no config.json: not a Hugging Face model folder")
@@ -193,20 +189,20 @@ TINY_MODELS: dict[str, ModelConfig] = {
     "tiny-llama": ModelConfig(
         architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=10000.0),
     ),
     "tiny-qwen3": ModelConfig(
         architecture="Qwen3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=16, qk_norm=True,
-        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=1000000.0), tie_word_embeddings=True,
     ),
     # MLA + grouped routing with a shared expert: DCP up to TP (the latent counts as one KV head)
     "tiny-deepseek": ModelConfig(
         architecture="DeepseekV3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=24,
-        max_position_embeddings=32768, bos_token_id=BYTE_BOS, eos_token_id=(BYTE_EOS,),
+        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
         rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
                         mscale=1.0, mscale_all_dim=1.0),
         q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,

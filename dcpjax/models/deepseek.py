@@ -12,6 +12,7 @@ them; weights are renormalised and scaled; shared experts are a dense MLP.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -19,11 +20,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
+from dcpjax.kernels import KVCache
+from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.base import CausalLM, DecoderLayer, StepContext
 from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
-from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_pool
+from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import MODEL_AXES
 
 
@@ -63,9 +65,9 @@ class MLAttention(nnx.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return apply_rope(x, positions, self.inv_freq, self.rope_factor)
 
-    def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        """x [B, T, hidden]; kv = (latent_pool,), the pool (pages [blocks, bs, 1, lora + rope],
-        fp8 scales [blocks, bs, 1] or None) of this rank."""
+    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
+        """x [B, T, hidden]; kv: this rank's latent pool [blocks, bs, 1, lora + rope] (v None)."""
+        positions = batch.positions
         if self.q_lora:
             q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
         else:
@@ -77,22 +79,17 @@ class MLAttention(nnx.Module):
             axis=-1,
         )  # [B, T, lora + rope]
 
-        (pool,) = kv
-        batch, chunk = positions.shape
-        slots = owned_slots(positions, ctx.pc, block_tables=block_tables, block_size=ctx.block_size, valid=valid)
-        new = jnp.broadcast_to(latent[:, :, None], (batch, chunk, pool[0].shape[2], latent.shape[-1]))
-        pool = write_pool(pool, new.reshape(batch * chunk, *new.shape[2:]), slots.reshape(-1))
+        tokens = latent.shape[0] * latent.shape[1]
+        new = jnp.broadcast_to(latent.reshape(tokens, 1, -1), (tokens, kv.kv_heads, latent.shape[-1]))
+        kv = kv.write(new, None, batch.slots)
 
         q_absorbed = jnp.concatenate([jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...]), q_rope], axis=-1)
-        lengths = jnp.where(valid, positions + 1, 0)
-        out_latent, _ = dcp_attention(
-            q_absorbed, pool[0], None, lengths, ctx.pc, block_tables=block_tables, k_scale=pool[1],
-            sm_scale=self.sm_scale, v_head_dim=self.lora, attention_backend=ctx.attention_backend,
-            platform=ctx.platform,
-        )
+        options = dataclasses.replace(ctx.attention, sm_scale=self.sm_scale)
+        out_latent, _ = dcp_attention(q_absorbed, kv.with_block_tables(batch.block_tables), batch.causal_lengths,
+                                      ctx.pc, options)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])
-        return jax.lax.psum(out, MODEL_AXES), (pool,)
+        return jax.lax.psum(out, MODEL_AXES), kv
 
 
 class GroupedTopKMoE(nnx.Module):

@@ -87,7 +87,7 @@ def routed_experts(x, experts, weights, w_gate, w_up, w_down):
     x [N, hidden]; experts, weights [N, k]; w_gate, w_up [E, hidden, I]; w_down [E, I, hidden].
     Returns [N, hidden] (this device's partial sum when I is sharded).
     """
-    tokens, top_k = experts.shape
+    top_k = experts.shape[1]
     flat = experts.reshape(-1)
     order = jnp.argsort(flat)  # group token copies by expert
     rows = order // top_k

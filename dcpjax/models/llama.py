@@ -11,16 +11,19 @@ own causal bound and the exact LSE merge.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
+from dcpjax.kernels import KVCache
+from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext, kv_head_slots
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.base import CausalLM, DecoderLayer, StepContext, kv_head_slots
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
-from dcpjax.sharding.local_ops import dcp_attention, owned_slots, write_pool
+from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import MODEL_AXES
 
 
@@ -42,12 +45,12 @@ class LlamaAttention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: plain floats, not a Variable
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
 
-    def __call__(self, x, positions, valid, kv, block_tables, ctx: StepContext):
-        """x [B, T, hidden]; positions, valid [B, T]; kv = (k_pool, v_pool), each (pages, fp8 scales
-        or None) of this rank: pages [blocks, bs, kv_local, d], scales [blocks, bs, kv_local].
+    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
+        """x [B, T, hidden]; kv: this rank's K/V pools [blocks, bs, kv_local, d].
 
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """
+        positions = batch.positions
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
         k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
         v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
@@ -58,21 +61,12 @@ class LlamaAttention(nnx.Module):
         q = apply_rope(q, positions, self.inv_freq, self.rope_factor)
         k = apply_rope(k, positions, self.inv_freq, self.rope_factor)
 
-        k_pool, v_pool = kv
-        batch, chunk = positions.shape
-        slots = owned_slots(positions, ctx.pc, block_tables=block_tables, block_size=ctx.block_size, valid=valid)
-        slots = slots.reshape(-1)
-        k_pool = write_pool(k_pool, k.reshape(batch * chunk, *k.shape[2:]), slots)
-        v_pool = write_pool(v_pool, v.reshape(batch * chunk, *v.shape[2:]), slots)
-
-        lengths = jnp.where(valid, positions + 1, 0)  # causal: position p sees 0..p
-        out, _ = dcp_attention(
-            q, k_pool[0], v_pool[0], lengths, ctx.pc, block_tables=block_tables, k_scale=k_pool[1],
-            v_scale=v_pool[1], sm_scale=self.head_dim**-0.5, attention_backend=ctx.attention_backend,
-            platform=ctx.platform,
-        )
+        flat = lambda a: a.reshape(-1, *a.shape[2:])  # [B, T, H, d] -> [B * T, H, d]
+        kv = kv.write(flat(k), flat(v), batch.slots)
+        options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
+        out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_lengths, ctx.pc, options)
         out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
-        return jax.lax.psum(out, MODEL_AXES), (k_pool, v_pool)
+        return jax.lax.psum(out, MODEL_AXES), kv
 
 
 def llama_mlp(cfg: ModelConfig, dtype, index: int) -> nnx.Module:

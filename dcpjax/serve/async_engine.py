@@ -19,7 +19,7 @@ import time
 from dcpjax.engine import Engine, Sequence
 from dcpjax.serve.metrics import Metrics
 
-logger = logging.getLogger("dcpjax")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass

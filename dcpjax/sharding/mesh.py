@@ -8,13 +8,14 @@ change of one line here, not a hunt through every layer.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from dcpjax.config import ParallelConfig
+from dcpjax.kernels.kv_cache import KVCache
 
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"
@@ -95,3 +96,21 @@ def check_mesh(mesh: Mesh, pc: ParallelConfig) -> None:
             f"mesh {dict(mesh.shape)} with axes {mesh.axis_names} does not match {pc}: expected axes "
             f"{MESH_AXES} of shape {expected}. Build it with dcpjax.make_mesh(pc)."
         )
+
+
+KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
+KV_SCALE_SPEC = logical_spec("kv_pages", None, "kv_heads")  # fp8 scales [DCP * blocks, bs, kv_slots]
+
+
+def kv_cache_spec(cache: KVCache) -> KVCache:
+    """The PartitionSpecs of a global `KVCache` (same pytree structure, specs as leaves).
+
+    Each DCP rank has its own pool of blocks (the pool axis is split over "dcp"), KV heads
+    are split over "tp", block tables are replicated (one table serves every rank).
+    """
+    some = lambda x, spec: None if x is None else spec
+    return KVCache(
+        k=KV_POOL_SPEC, v=some(cache.v, KV_POOL_SPEC), k_scale=some(cache.k_scale, KV_SCALE_SPEC),
+        v_scale=some(cache.v_scale, KV_SCALE_SPEC), block_tables=some(cache.block_tables, PartitionSpec()),
+        v_head_dim=cache.v_head_dim, num_kv_heads=cache.num_kv_heads, capacity=cache.capacity,
+    )

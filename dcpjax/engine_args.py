@@ -1,0 +1,205 @@
+"""Engine arguments: every engine flag defined once (vLLM's `EngineArgs`).
+
+`EngineArgs` holds what `LLM(...)` takes, plus `num_cpu_devices` (fake CPU devices for
+the process). Each field carries its CLI flag(s), help, `choices` (taken from the code's
+own constants) and check. `EngineArgs.add_cli_args(parser)` generates the engine flags of
+`python -m dcpjax.generate`, `serve`, `bench` and `demo`; `EngineArgs.from_cli_args(args)`
+reads them back (checked again), `to_cli_args()` writes them out (to start a server) and
+`create_llm()` builds the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+from dcpjax.config import COMM_BACKENDS, ParallelConfig
+from dcpjax.kernels import ATTENTION_BACKENDS
+from dcpjax.llm import DTYPES, KV_CACHE_DTYPES, LLM
+from dcpjax.models.config import TINY_MODELS
+
+logger = logging.getLogger(__name__)
+
+Check = Callable[[Any], "str | None"]  # a problem with the value ("must be >= 1"), or None
+
+
+def _at_least(low: float) -> Check:
+    return lambda value: None if value >= low else f"must be >= {low}"
+
+
+def _power_of_two(value: int) -> str | None:
+    return None if value >= 1 and value & (value - 1) == 0 else "must be a power of two"
+
+
+def _fraction(value: float) -> str | None:
+    return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _arg(default: Any, help: str, *, kind: type = int, aliases: tuple[str, ...] = (),
+         choices: Collection[str] | None = None, check: Check | None = None, default_help: str | None = None,
+         llm: bool = True) -> Any:
+    """A field with what its CLI flag needs (`default_help`: what a None default means);
+    `llm=False`: not an `LLM(...)` argument."""
+    metadata = dict(help=help, kind=kind, aliases=aliases, choices=tuple(choices) if choices else None,
+                    check=check, default_help=default_help, llm=llm)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _problem(f: dataclasses.Field, value: Any) -> str | None:
+    """What is wrong with `value` for field `f` (None: fine)."""
+    if value is None:
+        return None if f.default is None else "must be set"
+    kind, choices, check = f.metadata["kind"], f.metadata["choices"], f.metadata["check"]
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, (int, float) if kind is float else kind):
+        return f"must be {'a number' if kind is float else 'an integer' if kind is int else 'a ' + kind.__name__}"
+    if choices is not None and value not in choices:
+        return f"must be one of {list(choices)}"
+    return check(value) if check is not None else None
+
+
+_METAVARS = {int: "N", float: "X"}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
+    """argparse `type=`: converts and checks, so a bad value is an argparse error naming the flag."""
+    kind = f.metadata["kind"]
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        problem = None if f.metadata["choices"] else _problem(f, value)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineArgs:
+    """Every engine argument, with its CLI flag (vLLM's spelling). See `LLM` for the meaning."""
+
+    model: str = _arg("tiny-llama", f"Hugging Face folder or built-in name ({', '.join(TINY_MODELS)})", kind=str)
+    tensor_parallel_size: int = _arg(1, "devices of one model replica (TP)", aliases=("-tp",), check=_at_least(1))
+    decode_context_parallel_size: int = _arg(
+        1, "DCP: splits the KV cache by token over this many of the TP devices", aliases=("-dcp",), check=_at_least(1))
+    cp_kv_cache_interleave_size: int = _arg(
+        1, "I: token p lives on DCP rank (p // I) %% DCP", check=_at_least(1))
+    dcp_comm_backend: str = _arg("ag_rs", "LSE merge over DCP: all_gather + psum_scatter, or one all_to_all",
+                                 kind=str, choices=COMM_BACKENDS)
+    dtype: str = _arg("auto", "weights and activations ('auto': bfloat16 on GPU/TPU, float32 on CPU)",
+                      kind=str, choices=("auto", *DTYPES))
+    max_model_len: int | None = _arg(None, "longest prompt + output", check=_at_least(2),
+                                     default_help="the model's max_position_embeddings")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV cache bytes per device", check=_at_least(1),
+        default_help="--gpu-memory-utilization of device memory; 64 MiB on CPU")
+    gpu_memory_utilization: float = _arg(0.9, "share of device memory for the KV cache when "
+                                         "--kv-cache-memory-bytes is not given", kind=float, check=_fraction)
+    kv_cache_dtype: str = _arg("auto", "'auto' (the model dtype), 'fp8' (e4m3 with a float32 scale per token and "
+                               "KV head) or a dtype name", kind=str, choices=("auto", *KV_CACHE_DTYPES, *DTYPES))
+    attention_backend: str = _arg("auto", "decode attention implementation ('auto': Pallas on GPU/TPU where the "
+                                  "shapes fit)", kind=str, choices=ATTENTION_BACKENDS)
+    block_size: int = _arg(16, "tokens per KV block on each DCP rank", check=_at_least(1))
+    max_num_seqs: int = _arg(64, "sequences running together", check=_at_least(1))
+    max_num_batched_tokens: int = _arg(256, "tokens per step, prefill chunks and decode tokens together "
+                                       "(a power of two)", check=_power_of_two)
+    async_scheduling: bool = _arg(True, "keep the host one step ahead of the device", kind=bool)
+    seed: int = _arg(0, "seed of random weights and of unseeded sampling")
+    orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
+                                        "LLM.save_checkpoint, on any mesh)", kind=str)
+    num_cpu_devices: int = _arg(0, "fake this many CPU devices (0: real devices)", check=_at_least(0), llm=False)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            problem = _problem(f, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"EngineArgs.{f.name} {problem}, got {getattr(self, f.name)!r}")
+
+    # -- argparse ------------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, include: Collection[str] | None = None,
+                     defaults: Mapping[str, Any] | None = None,
+                     default_help: Mapping[str, str] | None = None) -> argparse._ArgumentGroup:
+        """Add the engine flags (those named in `include`; default: all) to `parser`, as one group.
+
+        `defaults` overrides a field's default for this CLI; `default_help` says what a None default means.
+        """
+        defaults, default_help = dict(defaults or {}), dict(default_help or {})
+        unknown = (set(include or ()) | set(defaults) | set(default_help)) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"not engine arguments: {sorted(unknown)}")
+        group = parser.add_argument_group("engine arguments")
+        for f in dataclasses.fields(cls):
+            if include is not None and f.name not in include:
+                continue
+            default = defaults.get(f.name, f.default)
+            shown = default_help.get(f.name, f.metadata["default_help"] if default is None else "%(default)s")
+            help = f.metadata["help"] + (f" (default: {shown})" if shown else "")
+            flags = (_flag(f.name), *f.metadata["aliases"])
+            kind = f.metadata["kind"]
+            if kind is bool:
+                action = group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=help)
+                action.help = help  # some Pythons' BooleanOptionalAction append a second "(default: ...)"
+            else:
+                group.add_argument(*flags, dest=f.name, type=_cli_type(f), choices=f.metadata["choices"],
+                                   default=default, help=help, metavar=_METAVARS.get(kind))
+        return group
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The engine arguments parsed into `args` (fields the CLI lacks keep their defaults)."""
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that give these arguments back, for a parser with EngineArgs' own defaults."""
+        argv = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            if f.metadata["kind"] is bool:
+                argv.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
+            else:
+                argv += [_flag(f.name), str(value)]
+        return argv
+
+    # -- the engine ----------------------------------------------------------------------------
+    def with_dcp(self, dcp: int) -> EngineArgs:
+        """The same engine at DCP `dcp` (at DCP 1: interleave 1 and "ag_rs", the only valid ones)."""
+        if dcp == 1:
+            return dataclasses.replace(self, decode_context_parallel_size=1, cp_kv_cache_interleave_size=1,
+                                       dcp_comm_backend="ag_rs")
+        return dataclasses.replace(self, decode_context_parallel_size=dcp)
+
+    def parallel_config(self) -> ParallelConfig:
+        """The `ParallelConfig` of these arguments (raises ValueError naming a broken rule)."""
+        return ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size,
+                              self.cp_kv_cache_interleave_size, self.dcp_comm_backend)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `LLM(...)`."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.metadata["llm"]}
+
+    def use_cpu_devices(self) -> None:
+        """Fake `num_cpu_devices` CPU devices (if > 0); call before JAX creates its backends."""
+        if self.num_cpu_devices:
+            from dcpjax.devices import use_cpu_devices
+
+            use_cpu_devices(self.num_cpu_devices)
+
+    def create_llm(self, **kwargs: Any) -> LLM:
+        """`LLM(...)` with these arguments (`kwargs`, e.g. `devices`, are passed on)."""
+        logger.debug("creating LLM from %s", self)
+        return LLM(**self.llm_kwargs(), **kwargs)

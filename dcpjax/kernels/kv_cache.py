@@ -1,0 +1,154 @@
+"""The one KV cache type: paged K/V pools (or MLA's latent), optional fp8 scales, block tables.
+
+Every attention path reads this type: the kernels (one device's pools), the
+per-device DCP steps inside `shard_map`, the models' layers, the engine's runner
+and the public op (`dcpjax.shard_kv_cache`, whose arrays are global and sharded
+by `dcpjax.sharding.kv_specs`). Contiguous KV is a paged cache with an identity
+block table (`KVCache.from_sequences`), so no kernel has a contiguous branch.
+
+One writer, `KVCache.write`, stores new tokens at flat slots and quantises them
+when the cache is fp8. Which slots (the DCP rank's interleaved ownership) is
+`dcpjax.sharding.owned_slots`, computed once per step, not per layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3 value
+MAX_CONTIGUOUS_PAGE = 128
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k", "v", "k_scale", "v_scale", "block_tables"],
+    meta_fields=["v_head_dim", "num_kv_heads", "capacity"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Paged KV.
+
+    k: [num_blocks, block_size, kv_heads, dk]
+    v: [num_blocks, block_size, kv_heads, dv], or None for MLA's latent form (V = K[..., :v_head_dim])
+    k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 for an fp8 (e4m3) cache, else None
+      (MLA: v_scale None, V shares K's scales)
+    block_tables: [batch, pages] int32, the physical blocks of each sequence; None in the
+      engine's stored pools, whose tables arrive with each step (`with_block_tables`)
+    v_head_dim: dv (static)
+    num_kv_heads, capacity: the public op's bookkeeping (KV heads before repetition over
+      "tp" groups; tokens per sequence that fit), None elsewhere.
+    """
+
+    k: jax.Array
+    v: jax.Array | None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
+    block_tables: jax.Array | None = None
+    v_head_dim: int = 0
+    num_kv_heads: int | None = None
+    capacity: int | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def use_mla(self) -> bool:
+        return self.v is None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def values(self) -> jax.Array:
+        """The V pool: v, or MLA's latent K (its first v_head_dim features are read)."""
+        return self.k if self.v is None else self.v
+
+    def with_block_tables(self, block_tables: jax.Array | None) -> KVCache:
+        return dataclasses.replace(self, block_tables=block_tables)
+
+    def write(self, new_k: jax.Array, new_v: jax.Array | None, slots: jax.Array) -> KVCache:
+        """Store N new tokens: new_k [N, kv_heads, dk], new_v [N, kv_heads, dv] (None for MLA).
+
+        slots: [N] flat slots (`block * block_size + offset`); negative slots (tokens this
+        rank does not own, padding) are dropped. An fp8 cache quantises with one scale per
+        token and head.
+        """
+        if (new_v is None) != self.use_mla:
+            raise ValueError("pass new_v exactly when the cache has v (MLA caches carry only the latent k)")
+        k, k_scale = _store(self.k, self.k_scale, new_k, slots)
+        v, v_scale = (None, None) if new_v is None else _store(self.v, self.v_scale, new_v, slots)
+        return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+    def bytes_per_device(self) -> int:
+        """KV bytes (pools and scales) one device holds of these (sharded) arrays."""
+        arrays = [x for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None]
+        return sum(a.addressable_shards[0].data.nbytes for a in arrays)
+
+    @classmethod
+    def from_sequences(cls, k, v=None, *, v_head_dim: int | None = None, k_scale=None, v_scale=None,
+                       page: int | None = None) -> KVCache:
+        """Contiguous per-sequence KV as pages with an identity block table (a free reshape).
+
+        k: [batch, seq, kv_heads, dk]; v: [batch, seq, kv_heads, dv] or None (pass v_head_dim);
+        scales: [batch, seq, kv_heads]. page: tokens per page (default: the largest power of
+        two <= 128 that divides seq).
+        """
+        batch, seq = k.shape[:2]
+        page = page or contiguous_page_size(seq)
+        as_pages = lambda x: None if x is None else x.reshape(batch * (seq // page), page, *x.shape[2:])
+        tables = identity_block_tables(batch, max(seq // page, 1))
+        dv = v.shape[-1] if v is not None else v_head_dim
+        return cls(as_pages(k), as_pages(v), as_pages(k_scale), as_pages(v_scale), tables, v_head_dim=dv)
+
+
+def contiguous_page_size(seq: int, limit: int = MAX_CONTIGUOUS_PAGE) -> int:
+    """Largest power of two <= limit that divides seq (so paging contiguous KV is a reshape)."""
+    page = 1
+    while page * 2 <= limit and seq % (page * 2) == 0:
+        page *= 2
+    return page
+
+
+def identity_block_tables(batch: int, pages_per_seq: int) -> jax.Array:
+    """Sequence b owns blocks b * pages_per_seq ... (b + 1) * pages_per_seq - 1."""
+    return jnp.asarray(np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq))
+
+
+def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., d] -> (e4m3 values [..., d], float32 scales [...]): one scale per token and head."""
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1)
+    scale = jnp.maximum(amax, 1e-12) / FP8_MAX
+    return (x.astype(jnp.float32) / scale[..., None]).astype(FP8), scale
+
+
+def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """pool [num_blocks, bs, ...] with new [N, ...] stored at flat slots [N]; slots < 0 dropped."""
+    flat = pool.reshape(-1, *pool.shape[2:])
+    slots = jnp.where(slots < 0, flat.shape[0], slots)  # negative indices would wrap
+    return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+
+
+def _store(pool, scales, new, slots):
+    if scales is None:
+        return _scatter(pool, new, slots), None
+    values, token_scales = quantize_fp8(new)
+    return _scatter(pool, values, slots), _scatter(scales, token_scales, slots)
+
+
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """[num_blocks, block_size, ...] pages -> [batch, pages * block_size, ...] in token order."""
+    batch, max_blocks = block_tables.shape
+    gathered = pages[block_tables]  # [batch, max_blocks, block_size, ...]
+    return gathered.reshape(batch, max_blocks * pages.shape[1], *pages.shape[2:])

@@ -1,0 +1,101 @@
+"""Pallas attention over a paged `KVCache` with the common contract, for GPU and TPU.
+
+The wrapper lays the T queries x G heads of each KV head's group out as the rows
+of one tile (each row with its own causal bound), pads the rows to the target's
+tile, calls the kernel for the target, and undoes the layout:
+  target "gpu": `pallas_gpu` (Triton lowering; split-K, splits merged by LSE);
+  target "tpu": `pallas_tpu` (Mosaic lowering; pages pipelined HBM -> VMEM).
+A chunk of T queries therefore reads each page once per tile of rows, not T times.
+On CPU either runs with `interpret=True`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from dcpjax.kernels.common import AttentionShapes, check_attention_args
+from dcpjax.kernels.kv_cache import KVCache
+from dcpjax.kernels.pallas_gpu import paged_attention_gpu
+from dcpjax.kernels.pallas_tpu import SUBLANES, paged_attention_tpu, tpu_tiling_problem
+
+TARGETS = ("gpu", "tpu")
+MIN_GPU_ROWS = 16  # Triton's tensor-core dot needs M >= 16
+
+
+def default_target(platform: str | None = None) -> str:
+    return "tpu" if (platform or jax.default_backend()) == "tpu" else "gpu"
+
+
+def padded_rows(rows: int, target: str) -> int:
+    if target == "tpu":
+        return -(-rows // SUBLANES) * SUBLANES
+    return max(MIN_GPU_ROWS, pl.next_power_of_2(rows))
+
+
+def query_rows(q: jax.Array, lengths: jax.Array, shapes: AttentionShapes, rows: int):
+    """q [B, T, Hq, dk] -> qg [B, Hkv, rows, dk] (row t * G + g: query t, head g of the group);
+    lengths [B, T] -> bounds [B, rows] (padding rows see nothing)."""
+    b, t, hkv, g, dk = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group, shapes.dk
+    qg = jnp.transpose(q.reshape(b, t, hkv, g, dk), (0, 2, 1, 3, 4)).reshape(b, hkv, t * g, dk)
+    bounds = jnp.repeat(lengths.astype(jnp.int32), g, axis=1)
+    pad = rows - t * g
+    return jnp.pad(qg, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(bounds, ((0, 0), (0, pad)))
+
+
+def run_pallas(q: jax.Array, kv: KVCache, lengths: jax.Array, shapes: AttentionShapes, sm_scale: float, *,
+               target: str, interpret: bool, num_kv_splits: int | None = None,
+               block_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The kernel for `target` on arguments already validated (`check_attention_args`)."""
+    if target == "tpu" and not interpret:  # the interpreter has no tiling rules
+        problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, shapes.block_size, kv.use_mla,
+                                     kv.quantized)
+        if problem:
+            raise ValueError(f"the TPU Pallas kernel cannot tile these shapes: {problem}; "
+                             "use attention_backend='reference' (or 'auto', which does)")
+    b, t, hkv, g = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group
+    qg, bounds = query_rows(q, lengths, shapes, padded_rows(t * g, target))
+    args = (qg, bounds, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
+    if target == "tpu":
+        out, lse = paged_attention_tpu(*args, sm_scale=sm_scale, dv=shapes.dv, interpret=interpret,
+                                       block_rows=block_rows)
+    else:
+        out, lse = paged_attention_gpu(*args, sm_scale=sm_scale, dv=shapes.dv, num_splits=num_kv_splits,
+                                       interpret=interpret, block_rows=block_rows)
+    out = jnp.transpose(out[:, :, : t * g].reshape(b, hkv, t, g, shapes.dv), (0, 2, 1, 3, 4))
+    lse = jnp.transpose(lse[:, :, : t * g].reshape(b, hkv, t, g), (0, 2, 1, 3))
+    return out.reshape(b, t, shapes.q_heads, shapes.dv).astype(q.dtype), lse.reshape(b, t, shapes.q_heads)
+
+
+def attention_pallas(
+    q: jax.Array,
+    kv: KVCache,
+    lengths: jax.Array,
+    *,
+    sm_scale: float | None = None,
+    num_kv_splits: int | None = None,
+    interpret: bool | None = None,
+    target: str | None = None,
+    platform: str | None = None,
+    block_rows: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The Pallas kernel directly (tests, benchmarks); contract in `dcpjax.kernels.common`.
+
+    Args (beyond the contract):
+      num_kv_splits: GPU split-K factor (default: enough programs to fill the GPU).
+      interpret: run the kernel in the Pallas interpreter (default: on CPU).
+      target: "gpu" or "tpu" kernel (default: the platform's; "gpu" on CPU).
+      platform: where it runs (default `jax.default_backend()`).
+      block_rows: (query, head) rows per program (default: what fits the target's memory).
+    Returns out [batch, T, q_heads, dv] (q.dtype) and lse [batch, T, q_heads] float32.
+    """
+    shapes = check_attention_args(q, kv, lengths)
+    platform = platform or jax.default_backend()
+    target = target or default_target(platform)
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    interpret = platform == "cpu" if interpret is None else bool(interpret)
+    scale = 1.0 / shapes.dk**0.5 if sm_scale is None else float(sm_scale)
+    return run_pallas(q, kv, lengths, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
+                      block_rows=block_rows)
