@@ -53,8 +53,8 @@ def run_case(name, case, dtype_name, interpret, iters):
     num_blocks = batch * pages_per_seq
     keys = jax.random.split(jax.random.key(0), 4)
     q = jax.random.normal(keys[0], (batch, 1, q_heads, dk), dtype)  # decode: one query per sequence
-    k = jax.random.normal(keys[1], (num_blocks, BLOCK_SIZE, kv_heads, dk), dtype)
-    v = None if latent else jax.random.normal(keys[2], (num_blocks, BLOCK_SIZE, kv_heads, dv), dtype)
+    k = jax.random.normal(keys[1], (kv_heads, num_blocks, BLOCK_SIZE, dk), dtype)  # heads-first pools
+    v = None if latent else jax.random.normal(keys[2], (kv_heads, num_blocks, BLOCK_SIZE, dv), dtype)
     tables = jax.random.permutation(keys[3], num_blocks).reshape(batch, pages_per_seq).astype(jnp.int32)
     lengths = jnp.asarray(np.linspace(context, 1, batch).astype(np.int32))[:, None]
     lengths = lengths.at[-1].set(0)  # one empty sequence: out 0, lse -inf

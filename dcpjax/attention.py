@@ -10,7 +10,6 @@ token position over "dcp". One decode step, per device (README, "Architecture"):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,13 +19,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache, check_attention_backend
-from dcpjax.kernels.kv_cache import FP8, contiguous_page_size
+from dcpjax.kernels.kv_cache import FP8, MAX_CONTIGUOUS_PAGE, contiguous_page_size
 from dcpjax.sharding import layout
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots
-from dcpjax.sharding.mesh import check_mesh, kv_cache_spec, logical_spec
+from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, check_mesh, kv_cache_spec, logical_spec
 
 # The public op's cache is the one `KVCache` type; its arrays are global and sharded:
-#   k [DCP * num_blocks, block_size, kv_slots, dk] split P("dcp", None, "tp", None): each rank
+#   k [kv_slots, DCP * num_blocks, block_size, dk] split P("tp", "dcp", None, None): each rank
 #   has its own pool of num_blocks; `block_tables` [batch, pages] (replicated) is shared by all
 #   ranks (vLLM's virtual block of block_size * DCP positions). v like k (None for MLA's latent).
 #   kv_slots = max(num_kv_heads, TP // DCP): KV heads are repeated when the "tp" axis has more
@@ -71,20 +70,35 @@ def _interleaved_local(x: np.ndarray, local_cap: int, pc: ParallelConfig) -> np.
 
 
 def _to_pages(local: np.ndarray, block_tables: np.ndarray, num_blocks: int, block_size: int) -> np.ndarray:
-    """[B, DCP, local_cap, H, d] -> per-rank pools [DCP * num_blocks, block_size, H, d]."""
+    """[B, DCP, local_cap, H, d] -> per-rank pools, heads first: [H, DCP * num_blocks, block_size, d]."""
     batch, dcp, local_cap = local.shape[:3]
     blocks_per_seq = local_cap // block_size
     pools = np.zeros((dcp, num_blocks, block_size, *local.shape[3:]), local.dtype)
     chunks = local.reshape(batch, dcp, blocks_per_seq, block_size, *local.shape[3:])
     pools[:, block_tables[:, :blocks_per_seq]] = np.moveaxis(chunks, 1, 0)  # [DCP, B, blocks, bs, H, d]
-    return pools.reshape(dcp * num_blocks, block_size, *local.shape[3:])
+    return np.moveaxis(pools.reshape(dcp * num_blocks, block_size, *local.shape[3:]), 2, 0)
 
 
 def _contiguous_block_size(capacity: int, pc: ParallelConfig) -> int:
-    """Block size that makes a contiguous cache a paged one with an identity table (a reshape)."""
-    local_cap = layout.local_capacity(capacity, pc.dcp, pc.interleave)
-    page = contiguous_page_size(local_cap)
-    return page if page % pc.interleave == 0 else local_cap
+    """Block size that makes a contiguous cache a paged one with an identity table (a reshape):
+    I times the largest power of two dividing local_cap / I, at most 128 tokens where I allows
+    (a block holds whole runs of I tokens)."""
+    local_cap = layout.local_capacity(capacity, pc.dcp, pc.interleave)  # a multiple of I
+    runs = contiguous_page_size(local_cap // pc.interleave, limit=max(1, MAX_CONTIGUOUS_PAGE // pc.interleave))
+    return pc.interleave * runs
+
+
+def _geometry(batch: int, capacity: int, pc: ParallelConfig, block_size: int | None, block_tables,
+              num_blocks: int | None):
+    """(capacity, block_size, blocks_per_seq, block_tables, num_blocks) of a cache to build."""
+    if block_size is None:
+        block_size = _contiguous_block_size(capacity, pc)
+    else:
+        layout.check_block_size(block_size, pc.interleave)
+        capacity = layout.blocks_needed(capacity, block_size, pc.dcp) * layout.virtual_block_size(block_size, pc.dcp)
+    blocks_per_seq = layout.blocks_needed(capacity, block_size, pc.dcp)
+    block_tables, num_blocks = _check_block_tables(block_tables, batch, blocks_per_seq, num_blocks)
+    return capacity, block_size, blocks_per_seq, block_tables, num_blocks
 
 
 def _check_block_tables(block_tables, batch: int, blocks_per_seq: int, num_blocks: int | None):
@@ -136,8 +150,8 @@ def shard_kv_cache(
       block_tables: [batch, max_blocks] physical blocks per sequence (default sequential).
         Every entry a sequence needs must be a distinct block < num_blocks.
       num_blocks: blocks per rank in the pool (default: 1 + max(block_tables)).
-    Returns a `KVCache` whose pools are [DCP * num_blocks, block_size, kv_slots, d], sharded
-    P("dcp", None, "tp", None), with replicated block_tables.
+    Returns a `KVCache` whose pools are [kv_slots, DCP * num_blocks, block_size, d], sharded
+    P("tp", "dcp", None, None), with replicated block_tables.
     """
     check_mesh(mesh, pc)
     v_head_dim = _check_kv(k, v, v_head_dim)
@@ -145,18 +159,13 @@ def shard_kv_cache(
     capacity = seq if capacity is None else capacity
     if capacity < max(seq, 1):
         raise ValueError(f"capacity ({capacity}) must be >= 1 and >= the tokens given ({seq})")
-    if block_size is None:
-        block_size = _contiguous_block_size(capacity, pc)
-    else:
-        layout.check_block_size(block_size, pc.interleave)
-        capacity = layout.blocks_needed(capacity, block_size, pc.dcp) * layout.virtual_block_size(block_size, pc.dcp)
-    blocks_per_seq = layout.blocks_needed(capacity, block_size, pc.dcp)
-    block_tables, num_blocks = _check_block_tables(block_tables, batch, blocks_per_seq, num_blocks)
-    sharding = NamedSharding(mesh, logical_spec("kv_pages", None, "kv_heads", None))
-    local_cap = blocks_per_seq * block_size
+    capacity, block_size, blocks_per_seq, block_tables, num_blocks = _geometry(
+        batch, capacity, pc, block_size, block_tables, num_blocks)
+    sharding = NamedSharding(mesh, KV_POOL_SPEC)
 
     def place(x):
-        local = _interleaved_local(_expand_heads(np.asarray(x), num_kv_heads, pc, axis=2), local_cap, pc)
+        local = _interleaved_local(_expand_heads(np.asarray(x), num_kv_heads, pc, axis=2),
+                                   blocks_per_seq * block_size, pc)
         pages = _to_pages(local, block_tables, num_blocks, block_size)
         return jax.make_array_from_callback(pages.shape, sharding, lambda index: pages[index])
 
@@ -183,20 +192,25 @@ def empty_kv_cache(
     dtype float8_e4m3fn makes an fp8 cache: `append_kv` quantises with a float32 scale per
     token and head, and attention dequantises.
     """
+    check_mesh(mesh, pc)
+    if use_mla and not (v_head_dim and 0 < v_head_dim <= head_dim):
+        raise ValueError(f"use_mla: pass 0 < v_head_dim <= {head_dim}, got {v_head_dim}")
+    capacity, block_size, _, block_tables, num_blocks = _geometry(batch, capacity, pc, block_size, None, None)
+    slots = _kv_slots(num_kv_heads, pc)
+    shape = lambda dim: (slots, pc.dcp * num_blocks, block_size, dim)
+
+    def zeros(shape, dtype, spec):  # made in place on each device: no host copy of the pool
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
+
     quantized = jnp.dtype(dtype) == jnp.dtype(FP8)
-    store = jnp.float32 if quantized else dtype
-    k = jnp.zeros((batch, 0, num_kv_heads, head_dim), store)
-    v = None if use_mla else jnp.zeros((batch, 0, num_kv_heads, v_head_dim or head_dim), store)
-    cache = shard_kv_cache(
-        k, v, mesh, pc, capacity=capacity, block_size=block_size, v_head_dim=v_head_dim if use_mla else None
+    scales = lambda: zeros(shape(0)[:3], jnp.float32, KV_SCALE_SPEC) if quantized else None
+    return KVCache(
+        k=zeros(shape(head_dim), dtype, KV_POOL_SPEC),
+        v=None if use_mla else zeros(shape(v_head_dim or head_dim), dtype, KV_POOL_SPEC),
+        k_scale=scales(), v_scale=None if use_mla else scales(),
+        block_tables=jax.device_put(jnp.asarray(block_tables), NamedSharding(mesh, _REPLICATED)),
+        v_head_dim=v_head_dim if use_mla else (v_head_dim or head_dim), num_kv_heads=num_kv_heads, capacity=capacity,
     )
-    if not quantized:
-        return cache
-    scale_sharding = NamedSharding(mesh, logical_spec("kv_pages", None, "kv_heads"))
-    zeros = lambda x: None if x is None else jax.device_put(jnp.zeros(x.shape, FP8), x.sharding)
-    scales = lambda x: None if x is None else jax.device_put(jnp.zeros(x.shape[:3], jnp.float32), scale_sharding)
-    return dataclasses.replace(cache, k=zeros(cache.k), v=zeros(cache.v), k_scale=scales(cache.k),
-                               v_scale=scales(cache.v))
 
 
 # -- appending one token ----------------------------------------------------------

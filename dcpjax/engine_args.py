@@ -108,7 +108,7 @@ class EngineArgs:
                                          "--kv-cache-memory-bytes is not given", kind=float, check=_fraction)
     kv_cache_dtype: str = _arg("auto", "'auto' (the model dtype), 'fp8' (e4m3 with a float32 scale per token and "
                                "KV head) or a dtype name", kind=str, choices=("auto", *KV_CACHE_DTYPES, *DTYPES))
-    attention_backend: str = _arg("auto", "decode attention implementation ('auto': Pallas on GPU/TPU where the "
+    attention_backend: str = _arg("auto", "attention implementation, decode and prefill ('auto': Pallas on GPU/TPU where the "
                                   "shapes fit)", kind=str, choices=ATTENTION_BACKENDS)
     block_size: int = _arg(16, "tokens per KV block on each DCP rank", check=_at_least(1))
     max_num_seqs: int = _arg(64, "sequences running together", check=_at_least(1))

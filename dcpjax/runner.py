@@ -32,7 +32,7 @@ from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config
-from dcpjax.scheduler import ScheduledRow
+from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, logical_spec
 
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
@@ -127,7 +127,7 @@ class ModelRunner:
         self._step = self._compile_step()
 
     def _empty_cache(self) -> KVCache:
-        """One layer's all-zero pools, [DCP * num_blocks, block_size, kv_slots, d] over the mesh."""
+        """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh."""
         kv, pc = self.kv_layout, self.pc
         local_heads = kv.kv_slots // pc.kv_head_groups
 
@@ -137,8 +137,8 @@ class ModelRunner:
             make = lambda: jnp.zeros(shape, dtype)
             return jax.jit(jax.shard_map(make, mesh=self.mesh, in_specs=(), out_specs=spec))()
 
-        pool = lambda dim: zeros((kv.num_blocks, kv.block_size, local_heads, dim), kv.dtype, KV_POOL_SPEC)
-        scales = lambda: zeros((kv.num_blocks, kv.block_size, local_heads), jnp.float32, KV_SCALE_SPEC)
+        pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, KV_POOL_SPEC)
+        scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, KV_SCALE_SPEC)
         mla = len(kv.pool_dims) == 1
         return KVCache(
             k=pool(kv.pool_dims[0]), v=None if mla else pool(kv.pool_dims[1]),
@@ -199,7 +199,7 @@ class ModelRunner:
         return jax.jit(step, static_argnames=("chunk", "config"), donate_argnums=(1, 2))
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray) -> tuple[jax.Array, int, SamplerConfig]:
+    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray) -> tuple[np.ndarray, int, SamplerConfig]:
         """Pack a step's rows into one int32 array on the mesh (one transfer).
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
@@ -226,16 +226,12 @@ class ModelRunner:
         config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
         return packed, chunk, config  # numpy: the jitted step transfers it (one copy, C++ path)
 
-    def launch(self, rows: list[ScheduledRow], packed: jax.Array, chunk: int, config: SamplerConfig) -> StepResult:
+    def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig) -> StepResult:
         """Dispatch the step (returns at once; the device runs it) and start copying its output home."""
         output, self.kv_caches, self.slot_tokens = self._step(self._param_leaves, self.kv_caches, self.slot_tokens,
                                                               packed, chunk=chunk, config=config)
         output.copy_to_host_async()
         return StepResult(rows, output, config)
-
-    def execute(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> StepResult:
-        """prepare + launch."""
-        return self.launch(rows, *self.prepare(rows, block_tables))
 
     @property
     def compiled_step_count(self) -> int:

@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from dcpjax.sequence import Sequence
+from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.sharding import layout
 
 
@@ -47,17 +47,6 @@ class BlockAllocator:
 
     def free(self, ids: list[int]) -> None:
         self.free_ids.extend(reversed(ids))
-
-
-@dataclasses.dataclass
-class ScheduledRow:
-    """One sequence's part of a step: tokens [start, start + count) of the sequence."""
-
-    seq: Sequence
-    start: int
-    count: int
-    samples: bool  # the chunk reaches the last known token: sample the next one
-    device_input: bool  # the one input token is the previous step's sample, still on the device
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""One request as the engine tracks it: its tokens, its KV blocks, how far it has got."""
+"""One request as the engine tracks it (its tokens, its KV blocks, how far it has got), and its
+part of a step (`ScheduledRow`), which the scheduler makes and the runner packs."""
 
 from __future__ import annotations
 
@@ -69,3 +70,14 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class ScheduledRow:
+    """One sequence's part of a step: tokens [start, start + count) of the sequence."""
+
+    seq: Sequence
+    start: int
+    count: int
+    samples: bool  # the chunk reaches the last known token: sample the next one
+    device_input: bool  # the one input token is the previous step's sample, still on the device

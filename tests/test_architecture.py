@@ -15,7 +15,7 @@ LAYERS = {
     "kernels": LATER,
     "sharding": LATER[1:],
     "models": LATER[2:],
-    "runner": LATER[3:],
+    "runner": ["scheduler", "output_processor", *LATER[3:]],
     "engine": LATER[4:],
 }
 

@@ -179,3 +179,23 @@ def test_errors_are_named():
         shard_kv_cache(k, v, make_mesh(pc2), pc2, block_size=6)
     with pytest.raises(ValueError, match="distinct blocks"):
         shard_kv_cache(k, v, mesh, pc, block_size=4, block_tables=np.zeros((3, 4), np.int32))
+
+
+@pytest.mark.parametrize("layout, tp, dcp", [("gqa", 8, 2), ("mla", 8, 4)])
+def test_fp8_cache_through_the_public_op(layout, tp, dcp):
+    """empty_kv_cache(dtype=float8_e4m3fn) + append_kv quantises with a scale per token and head:
+    decode stays within fp8's error of the float32 oracle."""
+    q, k, v, _, dv = inputs(layout, batch=2, seq=12)
+    pc = ParallelConfig(tp, dcp)
+    mesh = make_mesh(pc)
+    _, kv_heads, dk, _, latent = LAYOUTS[layout]
+    cache = empty_kv_cache(mesh, pc, batch=2, capacity=16, num_kv_heads=kv_heads, head_dim=dk, v_head_dim=dv,
+                           use_mla=latent, dtype=jnp.float8_e4m3fn)
+    assert cache.k.dtype == jnp.float8_e4m3fn and cache.k_scale is not None
+    for pos in range(12):
+        new_v = None if v is None else v[:, pos]
+        cache = append_kv(cache, k[:, pos], new_v, np.full(2, pos, np.int32), mesh, pc)
+    lengths = np.array([12, 7], np.int32)
+    out = np.asarray(dcp_decode_attention(q, cache, lengths, mesh, pc))
+    want, _ = oracle(q, k, v, lengths, dv)
+    assert np.sqrt(np.mean((out - want) ** 2) / np.mean(want**2)) < 0.04

@@ -49,7 +49,7 @@ def make_inputs(layout, batch=3, seq=40, lengths=(40, 0, 17), seed=0, dtype=np.f
 
 
 def to_pages(x, block_size, seed=1):
-    """[B, S, H, d] -> pages in a shuffled pool plus the block table."""
+    """[B, S, H, d] -> pages [N, bs, H, d] in a shuffled pool plus the block table."""
     batch, seq = x.shape[:2]
     per_seq = seq // block_size
     table = np.random.default_rng(seed).permutation(batch * per_seq + 2)[: batch * per_seq].reshape(batch, per_seq)
@@ -66,9 +66,10 @@ def make_kv(k, v, dv, paged=False, k_scale=None, v_scale=None) -> KVCache:
     if not paged:
         return KVCache.from_sequences(*map(as_jnp, (k, v)), v_head_dim=dv, k_scale=as_jnp(k_scale),
                                       v_scale=as_jnp(v_scale))
+    heads_first = lambda x: None if x is None else jnp.moveaxis(jnp.asarray(x), 2, 0)  # [H, N, bs, d]
     k_pages, tables = to_pages(np.asarray(k), 8)
     v_pages = None if v is None else to_pages(np.asarray(v), 8)[0]
-    return KVCache(as_jnp(k_pages), as_jnp(v_pages), block_tables=jnp.asarray(tables), v_head_dim=dv)
+    return KVCache(heads_first(k_pages), heads_first(v_pages), block_tables=jnp.asarray(tables), v_head_dim=dv)
 
 
 def run(impl, q, k, v, lengths, dv, paged=False, **kw):
@@ -188,13 +189,13 @@ def lower_case(case, platform, device_kind, target):
 
 GPU_CASES = {
     # Qwen3-235B-like group of 16 (64 q heads / 4 KV heads), decode
-    "gqa-bf16": (((4, 1, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
-    "gqa-f32": (((4, 1, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.float32, {}),
+    "gqa-bf16": (((4, 1, 64, 128), (4, 256, 16, 128), (4, 256, 16, 128)), jnp.bfloat16, {}),
+    "gqa-f32": (((4, 1, 64, 128), (4, 256, 16, 128), (4, 256, 16, 128)), jnp.float32, {}),
     # a 16-token chunk: 1024 (query, head) rows per KV head, several row blocks
-    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (256, 16, 4, 128), (256, 16, 4, 128)), jnp.bfloat16, {}),
+    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (4, 256, 16, 128), (4, 256, 16, 128)), jnp.bfloat16, {}),
     # DeepSeek-V3-like latent 512 + rope 64, decode and a 4-token chunk
-    "mla-bf16": (((4, 1, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
-    "mla-chunk-4-bf16": (((4, 4, 16, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
+    "mla-bf16": (((4, 1, 16, 576), (1, 256, 16, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    "mla-chunk-4-bf16": (((4, 4, 16, 576), (1, 256, 16, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
 }
 
 
@@ -206,12 +207,14 @@ def test_pallas_lowers_for_gpu_with_triton(case):
 
 
 TPU_CASES = {
-    "gqa-8-heads-bf16": (((4, 1, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
-    "dcp-rank-1-head-f32": (((4, 1, 16, 128), (256, 16, 1, 128), (256, 16, 1, 128)), jnp.float32, {}),
-    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (256, 16, 8, 128), (256, 16, 8, 128)), jnp.bfloat16, {}),
-    "mla-bf16": (((4, 1, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
+    "gqa-8-heads-bf16": (((4, 1, 64, 128), (8, 256, 16, 128), (8, 256, 16, 128)), jnp.bfloat16, {}),
+    "dcp-rank-1-head-f32": (((4, 1, 16, 128), (1, 256, 16, 128), (1, 256, 16, 128)), jnp.float32, {}),
+    "gqa-chunk-16-bf16": (((2, 16, 64, 128), (8, 256, 16, 128), (8, 256, 16, 128)), jnp.bfloat16, {}),
+    # heads-first pools: 4 KV heads of width 64 tile too (the block spans the two minor axes)
+    "gqa-4-heads-d64-bf16": (((4, 1, 32, 64), (4, 256, 16, 64), (4, 256, 16, 64)), jnp.bfloat16, {}),
+    "mla-bf16": (((4, 1, 128, 576), (1, 256, 16, 576), None), jnp.bfloat16, dict(v_head_dim=512, sm_scale=0.1)),
     # 1024 rows of width 576: several row blocks of 224
-    "mla-chunk-8-bf16": (((2, 8, 128, 576), (256, 16, 1, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
+    "mla-chunk-8-bf16": (((2, 8, 128, 576), (1, 256, 16, 576), None), jnp.bfloat16, dict(v_head_dim=512)),
 }
 
 
@@ -223,9 +226,10 @@ def test_pallas_lowers_for_tpu_with_mosaic(case, device_kind):
 
 
 def test_tpu_tiling_rules_are_explained():
-    q, k, v, lengths, dv = make_inputs("gqa")  # 2 KV heads of width 16: not lane-aligned
-    with pytest.raises(ValueError, match="head dims must be multiples of 128"):
-        IMPLS["pallas_tpu"](jnp.asarray(q), make_kv(k, v, dv), jnp.asarray(lengths), interpret=False)
+    q, k, v, lengths, _ = make_inputs("gqa")
+    pages_of_4 = KVCache.from_sequences(jnp.asarray(k), jnp.asarray(v), page=4)
+    with pytest.raises(ValueError, match="block_size must be a multiple of 8"):
+        IMPLS["pallas_tpu"](jnp.asarray(q), pages_of_4, jnp.asarray(lengths), interpret=False)
 
 
 def test_oracle_against_a_hand_computed_case():
@@ -295,11 +299,31 @@ def test_fp8_cache_accuracy_against_float32(layout):
 
 def test_fp8_pallas_lowers_for_gpu_and_tpu():
     S = jax.ShapeDtypeStruct
-    args = (S((4, 2, 16, 576), jnp.bfloat16), S((256, 16, 1, 576), jnp.float8_e4m3fn), S((4, 2), jnp.int32),
-            S((4, 64), jnp.int32), S((256, 16, 1), jnp.float32))
+    args = (S((4, 2, 16, 576), jnp.bfloat16), S((1, 256, 16, 576), jnp.float8_e4m3fn), S((4, 2), jnp.int32),
+            S((4, 64), jnp.int32), S((1, 256, 16), jnp.float32))
     for platform, kind, target, marker in (("cuda", "NVIDIA H200", "gpu", "__gpu$xla.gpu.triton"),
                                            ("tpu", "TPU v6 lite", "tpu", "tpu_custom_call")):
         def fn(q, k, n, t, s, target=target):
             return attention_pallas(q, KVCache(k, None, k_scale=s, block_tables=t, v_head_dim=512), n,
                                     interpret=False, target=target)
         assert marker in export_for(platform, kind, fn, *args).mlir_module()
+
+
+def test_fp8_scales_and_tiles_are_checked():
+    """A cache whose fp8 scales do not match its pools, or a tile that cannot split the rows,
+    is an error naming it, never a silent mix-up."""
+    q, k, v, lengths, dv = make_inputs("gqa", seq=64)
+    k8, k_scale = _quantize(k)
+    v8, _ = _quantize(v)
+    q, lengths = jnp.asarray(q), jnp.asarray(lengths)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        decode_attention(q, make_kv(k8, v8, dv, k_scale=k_scale), lengths)
+    with pytest.raises(ValueError, match="fp8 cache needs k_scale"):
+        decode_attention(q, make_kv(k8, v8, dv), lengths)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        make_kv(k8, v8, dv).write(jnp.zeros((1, 2, 16)), jnp.zeros((1, 2, 8)), jnp.zeros((1,), jnp.int32))
+    kv, chunk, bounds = make_kv(k, v, dv, paged=True), jnp.repeat(q[:, None], 8, axis=1), jnp.full((3, 8), 5)
+    with pytest.raises(ValueError, match="block_rows must be a power of two"):  # 8 x 6 rows, padded to 64
+        CHUNK_IMPLS["pallas"](chunk, kv, bounds, block_rows=24)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        CHUNK_IMPLS["pallas_tpu"](chunk, kv, bounds, block_rows=12)

@@ -2,9 +2,11 @@
 
   q:       [batch, T, q_heads, dk], T queries per sequence (decode: T = 1; prefill
            chunks and speculative drafts: T > 1)
-  kv:      a `KVCache` (paged pools and block tables [batch, pages]; v None is MLA's
-           latent form, V = K[..., :v_head_dim]; optional fp8 scales)
-  lengths: [batch, T] int, query t of sequence b sees tokens 0 .. lengths[b, t] - 1
+  kv:      a `KVCache`: paged pools [kv_heads, num_blocks, block_size, d], block tables
+           [batch, pages], optional fp8 scales; v None is MLA's latent form
+           (V = K[..., :v_head_dim])
+  bounds:  [batch, T] int, each query's causal bound: query t of sequence b sees tokens
+           0 .. bounds[b, t] - 1
            (0 allowed: padding, or a DCP rank that owns none of them)
 Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads]
 float32, natural-log based; a query with no visible token gives out 0, lse -inf.
@@ -18,7 +20,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from dcpjax.kernels.kv_cache import KVCache
+from dcpjax.kernels.kv_cache import FP8, KVCache
 
 ATTENTION_BACKENDS = ("auto", "pallas", "reference")
 
@@ -65,14 +67,14 @@ class AttentionShapes:
         return self.q_heads // self.kv_heads
 
 
-def check_attention_args(q, kv: KVCache, lengths) -> AttentionShapes:
+def check_attention_args(q, kv: KVCache, bounds) -> AttentionShapes:
     """Validate the contract above once; return the sizes every implementation needs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, queries, q_heads, head_dim], got shape {q.shape}")
     if kv.k.ndim != 4:
-        raise ValueError(f"kv.k must be [num_blocks, block_size, kv_heads, dk], got {kv.k.shape}")
+        raise ValueError(f"kv.k must be [kv_heads, num_blocks, block_size, dk], got {kv.k.shape}")
     batch, queries, q_heads, dk = q.shape
-    kv_heads = kv.k.shape[2]
+    kv_heads = kv.k.shape[0]
     if kv.k.shape[3] != dk:
         raise ValueError(f"q head_dim {dk} != k head_dim {kv.k.shape[3]}")
     if q_heads % kv_heads:
@@ -85,13 +87,30 @@ def check_attention_args(q, kv: KVCache, lengths) -> AttentionShapes:
         if kv.v.shape[:3] != kv.k.shape[:3]:
             raise ValueError(f"v {kv.v.shape} must match k {kv.k.shape} except in the last dimension")
         dv = kv.v.shape[3]
-    if tuple(lengths.shape) != (batch, queries):
-        raise ValueError(f"lengths must be [batch, queries] = {[batch, queries]}, got {list(lengths.shape)}")
+    _check_scales(kv)
+    if tuple(bounds.shape) != (batch, queries):
+        raise ValueError(f"bounds must be [batch, queries] = {[batch, queries]}, got {list(bounds.shape)}")
     tables = kv.block_tables
     if tables is None or tables.ndim != 2 or tables.shape[0] != batch:
         got = None if tables is None else tables.shape
         raise ValueError(f"kv.block_tables must be [batch={batch}, pages], got {got}")
-    return AttentionShapes(batch, queries, q_heads, kv_heads, dk, dv, kv.k.shape[1], tables.shape[1])
+    return AttentionShapes(batch, queries, q_heads, kv_heads, dk, dv, kv.k.shape[2], tables.shape[1])
+
+
+def _check_scales(kv: KVCache) -> None:
+    """fp8 pools come with a float32 scale per token and head: k_scale, and v_scale unless MLA."""
+    fp8 = jnp.dtype(kv.k.dtype) == jnp.dtype(FP8)
+    if fp8 != kv.quantized:
+        raise ValueError(f"an fp8 cache needs k_scale (and only an fp8 one has it): k is {kv.k.dtype}, "
+                         f"k_scale is {None if kv.k_scale is None else kv.k_scale.shape}")
+    if not kv.quantized:
+        return
+    if (kv.v_scale is None) != kv.use_mla:
+        raise ValueError("an fp8 cache with v needs v_scale; an MLA latent cache (v=None) has none")
+    for scale in (kv.k_scale, kv.v_scale):
+        if scale is not None and tuple(scale.shape) != tuple(kv.k.shape[:3]):
+            raise ValueError(f"fp8 scales must be [kv_heads, num_blocks, block_size] = {list(kv.k.shape[:3])}, "
+                             f"got {list(scale.shape)}")
 
 
 def finish_softmax(acc, row_max, row_sum, out_dtype):

@@ -37,24 +37,24 @@ def resolve_backend(options: AttentionOptions, shapes: AttentionShapes, kv: KVCa
 DEFAULT_OPTIONS = AttentionOptions()
 
 
-def attention(q: jax.Array, kv: KVCache, lengths: jax.Array,
+def attention(q: jax.Array, kv: KVCache, bounds: jax.Array,
               options: AttentionOptions = DEFAULT_OPTIONS) -> tuple[jax.Array, jax.Array]:
     """Attention of T queries per sequence over a paged KV cache, each with its own causal bound.
 
     Args:
       q: [batch, T, q_heads, dk].
       kv: `KVCache` with block_tables [batch, pages].
-      lengths: [batch, T] int, query t sees tokens 0 .. lengths[b, t] - 1.
+      bounds: [batch, T] int, each query's causal bound: query t sees tokens 0 .. bounds[b, t] - 1.
       options: scale, backend, platform (static).
     Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads] float32
     (natural log; a query that sees nothing gives 0 and -inf).
     """
-    shapes = check_attention_args(q, kv, lengths)
+    shapes = check_attention_args(q, kv, bounds)
     scale = options.scale(shapes.dk)
     if resolve_backend(options, shapes, kv) == "pallas":
         platform = options.platform or jax.default_backend()
-        return run_pallas(q, kv, lengths, shapes, scale, target=default_target(platform), interpret=platform == "cpu")
-    return attention_reference(q, kv, lengths, shapes, scale)
+        return run_pallas(q, kv, bounds, shapes, scale, target=default_target(platform), interpret=platform == "cpu")
+    return attention_reference(q, kv, bounds, shapes, scale)
 
 
 def decode_attention(q: jax.Array, kv: KVCache, lengths: jax.Array,
@@ -63,5 +63,7 @@ def decode_attention(q: jax.Array, kv: KVCache, lengths: jax.Array,
     lse [batch, q_heads]. Sugar over `attention` with T = 1."""
     if q.ndim != 3:
         raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    if tuple(lengths.shape) != (q.shape[0],):
+        raise ValueError(f"lengths must be [batch] = [{q.shape[0]}], got {list(lengths.shape)}")
     out, lse = attention(q[:, None], kv, lengths[:, None], options)
     return out[:, 0], lse[:, 0]

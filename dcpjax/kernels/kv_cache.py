@@ -3,12 +3,12 @@
 Every attention path reads this type: the kernels (one device's pools), the
 per-device DCP steps inside `shard_map`, the models' layers, the engine's runner
 and the public op (`dcpjax.shard_kv_cache`, whose arrays are global and sharded
-by `dcpjax.sharding.kv_specs`). Contiguous KV is a paged cache with an identity
+by `dcpjax.sharding.mesh.kv_cache_spec`). Contiguous KV is a paged cache with an identity
 block table (`KVCache.from_sequences`), so no kernel has a contiguous branch.
 
 One writer, `KVCache.write`, stores new tokens at flat slots and quantises them
 when the cache is fp8. Which slots (the DCP rank's interleaved ownership) is
-`dcpjax.sharding.owned_slots`, computed once per step, not per layer.
+`dcpjax.sharding.local_ops.owned_slots`, computed once per step, not per layer.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ MAX_CONTIGUOUS_PAGE = 128
 )
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Paged KV.
+    """Paged KV, heads first: one KV head's page is a contiguous [block_size, d] tile.
 
-    k: [num_blocks, block_size, kv_heads, dk]
-    v: [num_blocks, block_size, kv_heads, dv], or None for MLA's latent form (V = K[..., :v_head_dim])
-    k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 for an fp8 (e4m3) cache, else None
+    k: [kv_heads, num_blocks, block_size, dk]
+    v: [kv_heads, num_blocks, block_size, dv], or None for MLA's latent form (V = K[..., :v_head_dim])
+    k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 (e4m3) cache, else None
       (MLA: v_scale None, V shares K's scales)
     block_tables: [batch, pages] int32, the physical blocks of each sequence; None in the
       engine's stored pools, whose tables arrive with each step (`with_block_tables`)
@@ -56,11 +56,11 @@ class KVCache:
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     @property
     def kv_heads(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[0]
 
     @property
     def use_mla(self) -> bool:
@@ -69,11 +69,6 @@ class KVCache:
     @property
     def quantized(self) -> bool:
         return self.k_scale is not None
-
-    @property
-    def values(self) -> jax.Array:
-        """The V pool: v, or MLA's latent K (its first v_head_dim features are read)."""
-        return self.k if self.v is None else self.v
 
     def with_block_tables(self, block_tables: jax.Array | None) -> KVCache:
         return dataclasses.replace(self, block_tables=block_tables)
@@ -87,6 +82,8 @@ class KVCache:
         """
         if (new_v is None) != self.use_mla:
             raise ValueError("pass new_v exactly when the cache has v (MLA caches carry only the latent k)")
+        if (jnp.dtype(self.k.dtype) == jnp.dtype(FP8)) != self.quantized:
+            raise ValueError("an fp8 cache needs k_scale (v_scale too unless MLA) to be written")
         k, k_scale = _store(self.k, self.k_scale, new_k, slots)
         v, v_scale = (None, None) if new_v is None else _store(self.v, self.v_scale, new_v, slots)
         return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
@@ -107,7 +104,12 @@ class KVCache:
         """
         batch, seq = k.shape[:2]
         page = page or contiguous_page_size(seq)
-        as_pages = lambda x: None if x is None else x.reshape(batch * (seq // page), page, *x.shape[2:])
+
+        def as_pages(x):  # [B, S, H, ...] -> [H, B * S / page, page, ...]
+            if x is None:
+                return None
+            return jnp.moveaxis(x.reshape(batch * (seq // page), page, *x.shape[2:]), 2, 0)
+
         tables = identity_block_tables(batch, max(seq // page, 1))
         dv = v.shape[-1] if v is not None else v_head_dim
         return cls(as_pages(k), as_pages(v), as_pages(k_scale), as_pages(v_scale), tables, v_head_dim=dv)
@@ -134,10 +136,10 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pool [num_blocks, bs, ...] with new [N, ...] stored at flat slots [N]; slots < 0 dropped."""
-    flat = pool.reshape(-1, *pool.shape[2:])
-    slots = jnp.where(slots < 0, flat.shape[0], slots)  # negative indices would wrap
-    return flat.at[slots].set(new.astype(pool.dtype), mode="drop").reshape(pool.shape)
+    """pool [H, num_blocks, bs, ...] with new [N, H, ...] stored at flat slots [N]; slots < 0 dropped."""
+    flat = pool.reshape(pool.shape[0], -1, *pool.shape[3:])  # [H, num_blocks * bs, ...]
+    slots = jnp.where(slots < 0, flat.shape[1], slots)  # negative indices would wrap
+    return flat.at[:, slots].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype), mode="drop").reshape(pool.shape)
 
 
 def _store(pool, scales, new, slots):
@@ -148,7 +150,7 @@ def _store(pool, scales, new, slots):
 
 
 def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """[num_blocks, block_size, ...] pages -> [batch, pages * block_size, ...] in token order."""
+    """[H, num_blocks, block_size, ...] pages -> [H, batch, pages * block_size, ...] in token order."""
     batch, max_blocks = block_tables.shape
-    gathered = pages[block_tables]  # [batch, max_blocks, block_size, ...]
-    return gathered.reshape(batch, max_blocks * pages.shape[1], *pages.shape[2:])
+    gathered = pages[:, block_tables]  # [H, batch, max_blocks, block_size, ...]
+    return gathered.reshape(pages.shape[0], batch, max_blocks * pages.shape[2], *pages.shape[3:])

@@ -34,17 +34,17 @@ def padded_rows(rows: int, target: str) -> int:
     return max(MIN_GPU_ROWS, pl.next_power_of_2(rows))
 
 
-def query_rows(q: jax.Array, lengths: jax.Array, shapes: AttentionShapes, rows: int):
+def query_rows(q: jax.Array, bounds: jax.Array, shapes: AttentionShapes, rows: int):
     """q [B, T, Hq, dk] -> qg [B, Hkv, rows, dk] (row t * G + g: query t, head g of the group);
-    lengths [B, T] -> bounds [B, rows] (padding rows see nothing)."""
+    bounds [B, T] -> [B, rows], each row its query's bound (padding rows see nothing)."""
     b, t, hkv, g, dk = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group, shapes.dk
     qg = jnp.transpose(q.reshape(b, t, hkv, g, dk), (0, 2, 1, 3, 4)).reshape(b, hkv, t * g, dk)
-    bounds = jnp.repeat(lengths.astype(jnp.int32), g, axis=1)
+    bounds = jnp.repeat(bounds.astype(jnp.int32), g, axis=1)
     pad = rows - t * g
     return jnp.pad(qg, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(bounds, ((0, 0), (0, pad)))
 
 
-def run_pallas(q: jax.Array, kv: KVCache, lengths: jax.Array, shapes: AttentionShapes, sm_scale: float, *,
+def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes, sm_scale: float, *,
                target: str, interpret: bool, num_kv_splits: int | None = None,
                block_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel for `target` on arguments already validated (`check_attention_args`)."""
@@ -55,7 +55,7 @@ def run_pallas(q: jax.Array, kv: KVCache, lengths: jax.Array, shapes: AttentionS
             raise ValueError(f"the TPU Pallas kernel cannot tile these shapes: {problem}; "
                              "use attention_backend='reference' (or 'auto', which does)")
     b, t, hkv, g = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group
-    qg, bounds = query_rows(q, lengths, shapes, padded_rows(t * g, target))
+    qg, bounds = query_rows(q, bounds, shapes, padded_rows(t * g, target))
     args = (qg, bounds, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
     if target == "tpu":
         out, lse = paged_attention_tpu(*args, sm_scale=sm_scale, dv=shapes.dv, interpret=interpret,
@@ -71,7 +71,7 @@ def run_pallas(q: jax.Array, kv: KVCache, lengths: jax.Array, shapes: AttentionS
 def attention_pallas(
     q: jax.Array,
     kv: KVCache,
-    lengths: jax.Array,
+    bounds: jax.Array,
     *,
     sm_scale: float | None = None,
     num_kv_splits: int | None = None,
@@ -90,12 +90,12 @@ def attention_pallas(
       block_rows: (query, head) rows per program (default: what fits the target's memory).
     Returns out [batch, T, q_heads, dv] (q.dtype) and lse [batch, T, q_heads] float32.
     """
-    shapes = check_attention_args(q, kv, lengths)
+    shapes = check_attention_args(q, kv, bounds)
     platform = platform or jax.default_backend()
     target = target or default_target(platform)
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     scale = 1.0 / shapes.dk**0.5 if sm_scale is None else float(sm_scale)
-    return run_pallas(q, kv, lengths, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
+    return run_pallas(q, kv, bounds, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
                       block_rows=block_rows)

@@ -58,9 +58,9 @@ def _gpu_kernel(
     tables_ref, bounds_ref, q_ref, k_ref, v_ref, *refs,
     sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
-    """q_ref [rows, dk]; bounds_ref [rows] causal bound per row; k_ref [N, bs, Hkv, dk];
-    v_ref [N, bs, Hkv, dv] (unused if v_from_k); if scaled (fp8 cache): ks_ref, vs_ref
-    [N, bs, Hkv] per-token dequantisation scales; tables_ref [B, P]; out_ref [rows, dv] f32;
+    """q_ref [rows, dk]; bounds_ref [rows] causal bound per row; k_ref [Hkv, N, bs, dk];
+    v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8 cache): ks_ref, vs_ref
+    [Hkv, N, bs] per-token dequantisation scales; tables_ref [B, P]; out_ref [rows, dv] f32;
     lse_ref [rows] f32."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, split = pl.program_id(0), pl.program_id(2)
@@ -75,10 +75,10 @@ def _gpu_kernel(
         row_max, row_sum, accs = carry
         page_index = first_page + i
         page = tables_ref[seq, page_index]
-        k_parts = [k_ref[page, :, head, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in k_chunks]
+        k_parts = [k_ref[head, page, :, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in k_chunks]
         scores = sum(dot_f32(qp, kp, 1) for qp, kp in zip(q_parts, k_parts)) * sm_scale  # [rows, bs]
         if scaled:  # per-token scales fold into the scores and the probabilities
-            scores = scores * ks_ref[page, :, head][None, :]
+            scores = scores * ks_ref[head, page, :][None, :]
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where(positions < bounds[:, None], scores, -jnp.inf)
         # A row may see no token of this page (shorter bound, padding): keep its max finite.
@@ -90,8 +90,8 @@ def _gpu_kernel(
         if v_from_k:
             v_parts = k_parts[: len(v_chunks)]
         else:
-            v_parts = [v_ref[page, :, head, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in v_chunks]
-        weighted = probs * vs_ref[page, :, head][None, :] if scaled else probs
+            v_parts = [v_ref[head, page, :, pl.ds(start, width)].astype(q_parts[0].dtype) for start, width in v_chunks]
+        weighted = probs * vs_ref[head, page, :][None, :] if scaled else probs
         accs = tuple(
             acc * rescale[:, None] + dot_f32(weighted.astype(vp.dtype), vp, 0) for acc, vp in zip(accs, v_parts)
         )
@@ -118,15 +118,17 @@ def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
     Args:
       qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
-      k: [num_blocks, block_size, kv_heads, dk]; v: [..., dv] or None (V = K[..., :dv]).
-      k_scale, v_scale: [num_blocks, block_size, kv_heads] float32 for an fp8 cache (else None).
+      k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
+      k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache (else None).
       block_tables: [batch, pages] int32.
       block_rows: query rows per program (default `rows_per_program`; a power of two dividing rows).
     Returns out [batch, kv_heads, rows, dv] f32 and lse [batch, kv_heads, rows] f32.
     """
     batch, kv_heads, rows, dk = qg.shape
-    block_size, pages = k.shape[1], block_tables.shape[1]
+    block_size, pages = k.shape[2], block_tables.shape[1]
     block_rows = min(block_rows or rows_per_program(rows, dk, dv), rows)
+    if block_rows & (block_rows - 1) or rows % block_rows:
+        raise ValueError(f"block_rows must be a power of two dividing the {rows} padded rows, got {block_rows}")
     row_blocks = rows // block_rows
     splits = max(1, min(num_splits or default_num_splits(batch, kv_heads * row_blocks, pages, interpret), pages))
     pages_per_split = pl.cdiv(pages, splits)

@@ -10,9 +10,9 @@ accumulator live in VMEM scratch (online softmax, float32); the last page writes
 and LSE. Pages past a block's longest bound re-use the index of its last valid page,
 so they cost no DMA and no compute.
 
-TPU tiling: K/V are viewed as [num_blocks, block_size, kv_heads * d] and one
-head is the block (block_size, d) along the last axis, so d must be a multiple
-of 128 unless there is a single KV head (as on every DCP rank, and for MLA).
+TPU tiling: the pools are heads first, [kv_heads, num_blocks, block_size, d], so one
+head's page is the block (block_size, d) spanning the two minor axes whole: legal for
+any head dim and any number of KV heads (fp8 scales ride along as [.., block_size, 1]).
 The LSE is written broadcast over 128 lanes, the TPU's natural row layout.
 """
 
@@ -33,13 +33,12 @@ SUBLANES = 8
 
 def tpu_tiling_problem(kv_heads: int, dk: int, dv: int, block_size: int, shared_kv: bool,
                        scaled: bool = False) -> str | None:
-    """Why this kernel cannot tile these shapes on TPU, or None if it can."""
-    if scaled and kv_heads > 1:
-        return f"an fp8 cache needs one KV head per device on TPU (its scales tile per head), got {kv_heads}"
+    """Why this kernel cannot tile these shapes on TPU, or None if it can.
+
+    kv_heads and scaled no longer constrain it (heads-first pools); kept in the signature so
+    callers describe the whole cache."""
     if block_size % SUBLANES:
         return f"block_size must be a multiple of {SUBLANES} on TPU, got {block_size}"
-    if kv_heads > 1 and (dk % LANES or dv % LANES):
-        return f"with {kv_heads} KV heads per device, head dims must be multiples of {LANES} (got dk={dk}, dv={dv})"
     if shared_kv and dv % LANES and dv != dk:
         return f"MLA latent width v_head_dim must be a multiple of {LANES} on TPU, got {dv}"
     return None
@@ -105,7 +104,7 @@ def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_
 
     def kv_block(b, h, r, p, tables_ref, tile_bound_ref):
         last_page = jnp.maximum(pl.cdiv(tile_bound_ref[b, r], block_size) - 1, 0)
-        return tables_ref[b, jnp.minimum(p, last_page)], 0, h
+        return h, tables_ref[b, jnp.minimum(p, last_page)], 0, 0
 
     rows_of = lambda b, h, r, p, *_: (b, h, r, 0)
     return pltpu.PrefetchScalarGridSpec(
@@ -114,9 +113,9 @@ def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_
         in_specs=[
             pl.BlockSpec((None, None, block_rows, dk), rows_of),
             pl.BlockSpec((None, block_rows, 1), lambda b, h, r, p, *_: (b, r, 0)),
-            pl.BlockSpec((None, block_size, dk), kv_block),
-        ] + ([] if v_from_k else [pl.BlockSpec((None, block_size, dv), kv_block)])
-        + ([pl.BlockSpec((None, block_size, 1), kv_block)] * 2 if scaled else []),
+            pl.BlockSpec((None, None, block_size, dk), kv_block),
+        ] + ([] if v_from_k else [pl.BlockSpec((None, None, block_size, dv), kv_block)])
+        + ([pl.BlockSpec((None, None, block_size, 1), kv_block)] * 2 if scaled else []),
         out_specs=[
             pl.BlockSpec((None, None, block_rows, dv), rows_of),
             pl.BlockSpec((None, None, block_rows, LANES), rows_of),
@@ -137,14 +136,16 @@ def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
     Args:
       qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
-      k: [num_blocks, block_size, kv_heads, dk]; v: [..., dv] or None (V = K[..., :dv]).
+      k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       block_tables: [batch, pages] int32.
-      k_scale, v_scale: [num_blocks, block_size, 1] float32 for an fp8 cache (one KV head), else None.
+      k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache, else None.
       block_rows: query rows per grid step (default `tpu_block_rows`; a multiple of 8).
     Returns out [batch, kv_heads, rows, dv] f32 and lse [batch, kv_heads, rows] f32.
     """
     batch, kv_heads, rows, dk = qg.shape
     block_rows = block_rows or tpu_block_rows(rows, dk, dv)
+    if block_rows % SUBLANES:
+        raise ValueError(f"block_rows must be a multiple of {SUBLANES} on TPU, got {block_rows}")
     row_blocks = -(-rows // block_rows)
     padded = row_blocks * block_rows
     if padded != rows:
@@ -152,14 +153,11 @@ def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
         bounds = jnp.pad(bounds, ((0, 0), (0, padded - rows)))
     tile_bound = jnp.max(bounds.reshape(batch, row_blocks, block_rows), axis=2)  # [B, row_blocks]
     scaled = k_scale is not None
-    num_blocks, block_size = k.shape[:2]
+    block_size = k.shape[2]
     v_from_k = v is None
-    # One head is a lane-aligned slice of the flattened last axis: a free reshape.
-    kv_inputs = [k.reshape(num_blocks, block_size, kv_heads * dk)]
-    if not v_from_k:
-        kv_inputs.append(v.reshape(num_blocks, block_size, kv_heads * dv))
-    if scaled:
-        kv_inputs += [k_scale, k_scale if v_scale is None else v_scale]
+    kv_inputs = [k] if v_from_k else [k, v]
+    if scaled:  # [H, N, bs] -> [H, N, bs, 1]: a (bs, 1) block spans both minor axes
+        kv_inputs += [k_scale[..., None], (k_scale if v_scale is None else v_scale)[..., None]]
 
     grid = (batch, kv_heads, row_blocks, block_tables.shape[1])
     grid_spec = _grid_spec(grid, block_rows, block_size, dk, dv, v_from_k, scaled)

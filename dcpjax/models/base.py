@@ -55,7 +55,7 @@ class StepBatch:
     slots: jax.Array | None = None
 
     @property
-    def causal_lengths(self) -> jax.Array:
+    def causal_bounds(self) -> jax.Array:
         """[B, T] attention bounds: the token at position p sees positions 0..p; padding nothing."""
         return jnp.where(self.valid, self.positions + 1, 0)
 

@@ -64,7 +64,7 @@ class LlamaAttention(nnx.Module):
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # [B, T, H, d] -> [B * T, H, d]
         kv = kv.write(flat(k), flat(v), batch.slots)
         options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
-        out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_lengths, ctx.pc, options)
+        out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options)
         out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
         return jax.lax.psum(out, MODEL_AXES), kv
 

@@ -29,14 +29,14 @@ def owned_slots(positions: jax.Array, block_tables: jax.Array, block_size: int, 
     return slots if valid is None else jnp.where(valid, slots, layout.PAD_SLOT)
 
 
-def dcp_attention(q: jax.Array, kv: KVCache, lengths: jax.Array, pc: ParallelConfig,
+def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConfig,
                   options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
     """Attention of this device's query heads over the DCP-split cache, merged exactly.
 
     Args:
       q: [B, T, q_heads / TP, dk], this device's heads (T queries per sequence).
       kv: this rank's cache shard with block_tables [B, P].
-      lengths: [B, T] global causal bounds: query t sees positions 0..lengths[b, t]-1.
+      bounds: [B, T] global causal bounds: query t sees positions 0..bounds[b, t]-1.
       options: scale, backend and the mesh's platform (picks the kernel).
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
@@ -44,7 +44,7 @@ def dcp_attention(q: jax.Array, kv: KVCache, lengths: jax.Array, pc: ParallelCon
     if pc.dcp > 1:  # the q heads of this device's whole KV-head group
         q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
     rank = jax.lax.axis_index(DCP_AXIS)
-    out, lse = attention(q, kv, layout.local_length(lengths, rank, pc.dcp, pc.interleave), options)
+    out, lse = attention(q, kv, layout.local_length(bounds, rank, pc.dcp, pc.interleave), options)
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
     return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)

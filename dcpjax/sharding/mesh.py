@@ -98,15 +98,15 @@ def check_mesh(mesh: Mesh, pc: ParallelConfig) -> None:
         )
 
 
-KV_POOL_SPEC = logical_spec("kv_pages", None, "kv_heads", None)  # [DCP * blocks, bs, kv_slots, d]
-KV_SCALE_SPEC = logical_spec("kv_pages", None, "kv_heads")  # fp8 scales [DCP * blocks, bs, kv_slots]
+KV_POOL_SPEC = logical_spec("kv_heads", "kv_pages", None, None)  # [kv_slots, DCP * blocks, bs, d]
+KV_SCALE_SPEC = logical_spec("kv_heads", "kv_pages", None)  # fp8 scales [kv_slots, DCP * blocks, bs]
 
 
 def kv_cache_spec(cache: KVCache) -> KVCache:
     """The PartitionSpecs of a global `KVCache` (same pytree structure, specs as leaves).
 
-    Each DCP rank has its own pool of blocks (the pool axis is split over "dcp"), KV heads
-    are split over "tp", block tables are replicated (one table serves every rank).
+    KV heads are split over "tp"; each DCP rank has its own pool of blocks (the block axis
+    is split over "dcp"); block tables are replicated (one table serves every rank).
     """
     some = lambda x, spec: None if x is None else spec
     return KVCache(
