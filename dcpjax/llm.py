@@ -10,6 +10,7 @@ from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm.auto import tqdm
 
 from dcpjax.checkpoint import restore_state, save_state
@@ -74,15 +75,29 @@ def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
     return eos
 
 
-def _kv_bytes_per_device(requested: int | None, utilization: float, device: jax.Device) -> int:
-    if requested is not None:
-        if requested <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
-        return int(requested)
+def _free_bytes(device: jax.Device, utilization: float) -> int:
     stats = device.memory_stats() or {}
     if "bytes_limit" not in stats:  # CPU: no memory statistics
         return CPU_DEFAULT_KV_BYTES
     return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
+
+
+def _kv_bytes_per_device(requested: int | None, utilization: float, mesh) -> int:
+    """KV bytes per device: as requested, or what the fullest of this process's mesh devices has
+    free; over several processes, the smallest any process has (every process must build the
+    same cache, and a process can read only its own devices' memory statistics)."""
+    if requested is not None:
+        if requested <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
+        return int(requested)
+    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    free = min(_free_bytes(d, utilization) for d in mine)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        kib = multihost_utils.process_allgather(np.asarray(max(free, 0) // 1024, np.int32))  # int32 KiB: < 2 TiB
+        free = int(np.min(kib)) * 1024
+    return free
 
 
 class LLM:
@@ -139,14 +154,14 @@ class LLM:
         if max_num_batched_tokens < 1 or max_num_batched_tokens & (max_num_batched_tokens - 1):
             raise ValueError(f"max_num_batched_tokens must be a power of two, got {max_num_batched_tokens}")
         self.mesh = make_mesh(pc, devices)
-        device = self.mesh.devices.flat[0]
+        device = self.mesh.devices.flat[0]  # its platform; a device of another process is fine for that
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
         cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
         self.model_config, self.tokenizer, weights = _model_source(model, pc, seed)
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
         graphdef, state = self._load_weights(weights, orbax_checkpoint)
         kv = self._size_kv_cache(block_size, cache_dtype,
-                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, device))
+                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh))
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
                                   max_num_seqs)
         self.engine = Engine(

@@ -84,7 +84,8 @@ def _sampling_meta(seq) -> np.ndarray:
     if meta is None:
         p = seq.params
         floats = np.array([p.temperature, p.top_p, p.min_p], np.float32).view(np.int32)
-        meta = np.array([floats[0], max(p.top_k, 0), floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32)],
+        top_k = min(max(p.top_k, 0), 2**31 - 1)  # past the vocabulary it keeps everything: same draw
+        meta = np.array([floats[0], top_k, floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32)],
                         np.int32)
         seq._sampling_meta = meta
     return meta

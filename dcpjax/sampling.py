@@ -47,8 +47,8 @@ class SamplingParams:
         def bad(field, rule):
             raise ValueError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
 
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0 (0 is greedy)")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            bad("temperature", "must be a finite number >= 0 (0 is greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:

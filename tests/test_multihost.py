@@ -1,4 +1,8 @@
-"""One model over two processes x 4 fake CPU devices (jax.distributed on 127.0.0.1); process 0 serves."""
+"""One model over two processes x 4 fake CPU devices (jax.distributed on 127.0.0.1); process 0 serves.
+
+The model is MLA + MoE (tiny-deepseek) at TP 8 / DCP 4 with default KV sizing: each process sizes
+the cache from its own devices and the processes agree on the smallest.
+"""
 
 import openai
 import pytest
@@ -9,8 +13,8 @@ from dcpjax.serve.launch import free_port, start_server
 
 @pytest.fixture(scope="module")
 def two_process_server():
-    common = ["--num-cpu-devices", "4", "-tp", "8", "-dcp", "2", "--coordinator-address", f"127.0.0.1:{free_port()}",
-              "--num-processes", "2", "--kv-cache-memory-bytes", str(4 << 20), "--max-model-len", "256"]
+    common = ["--model", "tiny-deepseek", "--num-cpu-devices", "4", "-tp", "8", "-dcp", "4",
+              "--coordinator-address", f"127.0.0.1:{free_port()}", "--num-processes", "2", "--max-model-len", "256"]
     with start_server(common + ["--process-id", "0"], followers=[common + ["--process-id", "1"]],
                       timeout=240) as server:  # stopping process 0 tells process 1 to stop
         yield server.base_url
@@ -19,11 +23,10 @@ def two_process_server():
 def test_two_processes_serve_what_one_process_computes(two_process_server):
     prompts = ["Hello", "Decode context parallelism " * 3]
     params = dcpjax.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    local = dcpjax.LLM("tiny-llama", tensor_parallel_size=8, decode_context_parallel_size=2,
-                       kv_cache_memory_bytes=4 << 20, max_model_len=256)
+    local = dcpjax.LLM("tiny-deepseek", tensor_parallel_size=8, decode_context_parallel_size=4, max_model_len=256)
     want = [o.outputs[0].text for o in local.generate(prompts, params)]
     client = openai.OpenAI(base_url=f"{two_process_server}/v1", api_key="none", max_retries=0)
-    kw = dict(model="tiny-llama", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model="tiny-deepseek", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     got = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
     assert got == want
     streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=prompts[1], stream=True, **kw))

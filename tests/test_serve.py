@@ -93,30 +93,30 @@ def test_client_disconnect_frees_blocks(server):
 
 
 @pytest.mark.parametrize(
-    "body, status, fragment",
+    "body, status, fragment, param",
     [
-        ("{not json", 400, "JSON"),
-        ({"prompt": "hi"}, 400, "model"),
-        ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),
-        ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
-        ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_model_len"),
-        ({"model": MODEL, "prompt": "y" * 300}, 400, "max_model_len"),
-        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
-        ({"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p"),
-        ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k"),
-        ({"model": MODEL, "prompt": "hi", "min_p": 3}, 400, "min_p"),
-        ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n must be 1"),
-        ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "outside"),
-        ({"model": MODEL, "prompt": "z" * 200000}, 413, "over"),
+        ("{not json", 400, "not valid JSON", None),
+        ({"prompt": "hi"}, 400, "model: Field required", "model"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist", "model"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens", "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 100000}, 400, "max_model_len=128", "max_tokens"),
+        ({"model": MODEL, "prompt": "y" * 300}, 400, "max_model_len=128", "prompt"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
+        ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", "top_k"),
+        ({"model": MODEL, "prompt": "hi", "min_p": 3}, 400, "min_p", "min_p"),
+        ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n: Input should be less than or equal to 1", "n"),
+        ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "outside this model's vocabulary", "prompt"),
+        ({"model": MODEL, "prompt": "z" * 200000}, 413, "over 100000 bytes", None),
     ],
 )
-def test_bad_requests_get_openai_errors(server, body, status, fragment):
+def test_bad_requests_get_openai_errors(server, body, status, fragment, param):
     content = body if isinstance(body, str) else json.dumps(body)
     response = httpx.post(f"{server}/v1/completions", content=content, timeout=30,
                           headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
-    assert fragment in error["message"] and error["type"] and error["code"]
+    assert fragment in error["message"] and error["type"] and error["code"] and error["param"] == param
 
 
 def test_wrong_api_key_is_401_and_server_still_serves(server, client):

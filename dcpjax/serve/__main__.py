@@ -11,6 +11,7 @@ import logging
 import sys
 
 from dcpjax.engine_args import EngineArgs
+from dcpjax.serve.faults import DEFAULT_FAILURE_TIMEOUT
 
 logger = logging.getLogger("dcpjax.serve")  # not __name__: that is "__main__" under python -m
 
@@ -24,6 +25,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds to let accepted requests finish before aborting them")
+    p.add_argument("--failure-timeout", type=float, default=DEFAULT_FAILURE_TIMEOUT,
+                   help="several processes: seconds without progress after which a process counts as dead "
+                        "(process 0 answers 503 and exits 1; followers exit 1)")
     p.add_argument("--coordinator-address", help="host:port of process 0, to run one model over several processes")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP; the others follow its engine")
@@ -48,6 +54,33 @@ def init_distributed(args: argparse.Namespace) -> None:
                                    process_id=args.process_id)
 
 
+def serve_http(args: argparse.Namespace, llm, channel) -> int:
+    """Process 0: the HTTP server over the engine, until SIGTERM/SIGINT (0) or an engine failure (1)."""
+    import uvicorn
+
+    from dcpjax.serve.api import build_app
+    from dcpjax.serve.async_engine import AsyncEngine
+    from dcpjax.serve.metrics import Metrics
+    from dcpjax.serve.shutdown import Draining, GracefulServer, add_availability_guard
+
+    name = args.served_model_name or args.model
+    metrics = Metrics(name)
+    engine = AsyncEngine(llm.engine, metrics, channel, failure_timeout=args.failure_timeout)
+    app = build_app(llm, engine, metrics, served_model_name=name, api_key=args.api_key,
+                    max_body_bytes=args.max_request_bytes)
+    draining = Draining()
+    add_availability_guard(app, draining, engine)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    server = GracefulServer(config, engine, draining, args.shutdown_timeout)
+    logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()
+    logger.info("stopped")
+    return 0 if engine.failure is None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the server (or, with --process-id > 0, follow process 0's engine)."""
     args = parse_args(argv)
@@ -58,12 +91,6 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
     init_distributed(args)
-    import uvicorn
-
-    from dcpjax.serve.api import build_app
-    from dcpjax.serve.async_engine import AsyncEngine
-    from dcpjax.serve.metrics import Metrics
-
     llm = EngineArgs.from_cli_args(args).create_llm()
     channel = None
     if args.num_processes > 1:
@@ -72,19 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         channel = CommandChannel()
         if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0
             logger.info("process %d following process 0", args.process_id)
-            follow(llm.engine, channel)
-            return 0
-    name = args.served_model_name or args.model
-    metrics = Metrics(name)
-    engine = AsyncEngine(llm.engine, metrics, channel)
-    app = build_app(llm, engine, metrics, served_model_name=name, api_key=args.api_key,
-                    max_body_bytes=args.max_request_bytes)
-    logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    finally:
-        engine.shutdown()
-    return 0
+            return follow(llm.engine, channel, args.process_id, args.failure_timeout)
+    return serve_http(args, llm, channel)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Self
 
 logger = logging.getLogger(__name__)
@@ -103,12 +103,13 @@ class ServerProcess:
 
 
 def start_server(args: Sequence[str], *, followers: Sequence[Sequence[str]] = (), port: int | None = None,
-                 timeout: float = 300.0) -> ServerProcess:
+                 timeout: float = 300.0, env: Mapping[str, str] | None = None) -> ServerProcess:
     """Start `python -m dcpjax.serve *args --port PORT` (PORT: a free one) and wait for /health.
 
     `followers`: the argument lists of the other processes of a multi-process server
     (`--process-id` > 0), started first. Raises RuntimeError with the servers' output tail
-    if a process exits or /health does not answer within `timeout` seconds.
+    if a process exits or /health does not answer within `timeout` seconds. `env`: extra
+    environment variables of every process.
     """
     port = free_port() if port is None else port
     commands = [list(a) for a in followers] + [[*args, "--port", str(port)]]
@@ -116,7 +117,7 @@ def start_server(args: Sequence[str], *, followers: Sequence[Sequence[str]] = ()
     for command in commands:
         log = tempfile.TemporaryFile()  # noqa: SIM115 (outlives this function: ServerProcess.stop closes it)
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "dcpjax.serve", *command], env=server_env(),
+        procs.append(subprocess.Popen([sys.executable, "-m", "dcpjax.serve", *command], env=server_env() | dict(env or {}),
                                       stdout=log, stderr=subprocess.STDOUT))
     server = ServerProcess(procs, logs, f"http://{HOST}:{port}")
     logger.info("started %s (pids %s); waiting for /health", server.base_url, [p.pid for p in procs])
