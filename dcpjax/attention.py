@@ -22,7 +22,7 @@ from dcpjax.kernels import AttentionOptions, KVCache, check_attention_backend
 from dcpjax.kernels.kv_cache import FP8, MAX_CONTIGUOUS_PAGE, contiguous_page_size
 from dcpjax.sharding import layout
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots
-from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, check_mesh, kv_cache_spec, logical_spec
+from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, check_mesh, kv_cache_spec, kv_head_slots, logical_spec
 
 # The public op's cache is the one `KVCache` type; its arrays are global and sharded:
 #   k [kv_slots, DCP * num_blocks, block_size, dk] split P("tp", "dcp", None, None): each rank
@@ -38,19 +38,9 @@ _NEW_KV_SPEC = logical_spec("batch", "kv_heads", None)
 _REPLICATED = PartitionSpec()
 
 
-def _kv_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
-    groups = pc.kv_head_groups
-    if not (num_kv_heads % groups == 0 or groups % num_kv_heads == 0):
-        raise ValueError(
-            f"{num_kv_heads} KV heads cannot be split over the TP // DCP = {groups} KV head groups: "
-            f"need num_kv_heads % {groups} == 0 or {groups} % num_kv_heads == 0."
-        )
-    return max(num_kv_heads, groups)
-
-
 def _expand_heads(x, num_kv_heads: int, pc: ParallelConfig, axis: int):
     """Repeat KV heads (numpy or jax array) so each "tp" group gets the head its q heads read."""
-    repeats = _kv_slots(num_kv_heads, pc) // num_kv_heads
+    repeats = kv_head_slots(num_kv_heads, pc) // num_kv_heads
     xp = np if isinstance(x, np.ndarray) else jnp
     return x if repeats == 1 else xp.repeat(x, repeats, axis=axis)
 
@@ -196,7 +186,7 @@ def empty_kv_cache(
     if use_mla and not (v_head_dim and 0 < v_head_dim <= head_dim):
         raise ValueError(f"use_mla: pass 0 < v_head_dim <= {head_dim}, got {v_head_dim}")
     capacity, block_size, _, block_tables, num_blocks = _geometry(batch, capacity, pc, block_size, None, None)
-    slots = _kv_slots(num_kv_heads, pc)
+    slots = kv_head_slots(num_kv_heads, pc)
     shape = lambda dim: (slots, pc.dcp * num_blocks, block_size, dim)
 
     def zeros(shape, dtype, spec):  # made in place on each device: no host copy of the pool

@@ -19,9 +19,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.base import kv_head_slots, padded_vocab
+from dcpjax.models.base import padded_vocab
 from dcpjax.models.config import ModelConfig
-from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES, logical_spec
+from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES, kv_head_slots, logical_spec
 
 
 def _kv_heads(cfg: ModelConfig) -> int:

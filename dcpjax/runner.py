@@ -27,13 +27,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache
 from dcpjax.kernels.kv_cache import FP8
-from dcpjax.models.base import StepBatch, StepContext, kv_head_slots
+from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config
 from dcpjax.sequence import ScheduledRow
-from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, logical_spec
+from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, kv_head_slots, logical_spec
 
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 

@@ -21,9 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.base import kv_head_slots
 from dcpjax.models.config import ModelConfig
-from dcpjax.sharding.mesh import logical_spec
+from dcpjax.sharding.mesh import kv_head_slots, logical_spec
 
 IGNORED_CHECKPOINT_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
 

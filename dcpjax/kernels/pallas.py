@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dcpjax.kernels.common import AttentionShapes, check_attention_args
+from dcpjax.kernels.common import AttentionOptions, AttentionShapes, check_attention_args
 from dcpjax.kernels.kv_cache import KVCache
 from dcpjax.kernels.pallas_gpu import paged_attention_gpu
 from dcpjax.kernels.pallas_tpu import SUBLANES, paged_attention_tpu, tpu_tiling_problem
@@ -96,6 +96,6 @@ def attention_pallas(
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
     interpret = platform == "cpu" if interpret is None else bool(interpret)
-    scale = 1.0 / shapes.dk**0.5 if sm_scale is None else float(sm_scale)
+    scale = AttentionOptions(sm_scale).scale(shapes.dk)
     return run_pallas(q, kv, bounds, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
                       block_rows=block_rows)

@@ -65,11 +65,6 @@ class StepBatch:
         return dataclasses.replace(self, slots=slots.reshape(-1))
 
 
-def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
-    """KV heads as stored: repeated when the "tp" axis has more groups than heads (MLA: 1 head)."""
-    return max(num_kv_heads, pc.kv_head_groups)
-
-
 def padded_vocab(vocab_size: int, pc: ParallelConfig) -> int:
     """Vocabulary rows rounded up so every TP device holds the same number."""
     return -(-vocab_size // pc.tp) * pc.tp

@@ -19,12 +19,12 @@ from flax import nnx
 
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import KVCache
-from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext, kv_head_slots
+from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention
-from dcpjax.sharding.mesh import MODEL_AXES
+from dcpjax.sharding.mesh import MODEL_AXES, kv_head_slots
 
 
 class LlamaAttention(nnx.Module):

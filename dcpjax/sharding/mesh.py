@@ -98,6 +98,19 @@ def check_mesh(mesh: Mesh, pc: ParallelConfig) -> None:
         )
 
 
+def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
+    """KV heads as stored: repeated when the "tp" axis has more KV-head groups than heads, so
+    each group holds the head its q heads read (MLA: 1 head). The one rule for models, weights,
+    checkpoints and the public op."""
+    groups = pc.kv_head_groups
+    if not (num_kv_heads % groups == 0 or groups % num_kv_heads == 0):
+        raise ValueError(
+            f"{num_kv_heads} KV heads cannot be split over the TP // DCP = {groups} KV head groups: "
+            f"need num_kv_heads % {groups} == 0 or {groups} % num_kv_heads == 0."
+        )
+    return max(num_kv_heads, groups)
+
+
 KV_POOL_SPEC = logical_spec("kv_heads", "kv_pages", None, None)  # [kv_slots, DCP * blocks, bs, d]
 KV_SCALE_SPEC = logical_spec("kv_heads", "kv_pages", None)  # fp8 scales [kv_slots, DCP * blocks, bs]
 
