@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dcpjax.block_pool import BlockPool, PrefixCacheStats
 from dcpjax.output_processor import OutputProcessor
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import StepResult
-from dcpjax.scheduler import BlockAllocator, Scheduler
+from dcpjax.scheduler import Scheduler
 from dcpjax.sequence import Sequence
 
-__all__ = ["BlockAllocator", "Engine", "Sequence", "StepStats", "StepTimings"]
+__all__ = ["BlockPool", "Engine", "Sequence", "StepStats", "StepTimings"]
 
 
 @dataclasses.dataclass
@@ -56,11 +57,13 @@ class Engine:
     """Schedules sequences onto the model runner, one step at a time."""
 
     def __init__(self, runner, tokenizer, eos_token_ids, *, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, async_scheduling: bool = True):
+                 max_num_seqs: int, max_num_batched_tokens: int, async_scheduling: bool = True,
+                 enable_prefix_caching: bool = True):
         self.runner, self.tokenizer = runner, tokenizer
         self.scheduler = Scheduler(runner.kv_layout.num_blocks, block_size=block_size, dcp=runner.pc.dcp,
                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens,
+                                   enable_prefix_caching=enable_prefix_caching)
         self.processor = OutputProcessor(tokenizer, eos_token_ids)
         self.async_scheduling = async_scheduling
         self.in_flight: list[StepResult] = []  # dispatched, not yet read
@@ -82,11 +85,17 @@ class Engine:
 
     def abort_all(self) -> None:
         """Abort every request and drop the steps in flight (after an error or an interrupt
-        inside `step`, whose state is then not to be trusted): every block and slot is free."""
+        inside `step`, whose state is then not to be trusted): every block and slot is free, and
+        the prefix cache is emptied (a step that failed may not have written what it holds)."""
         self.in_flight.clear()
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             self.scheduler.finish(seq)
             seq.finish_reason, seq.num_pending = "abort", 0
+        self.scheduler.allocator.reset()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False while requests hold blocks."""
+        return self.scheduler.allocator.reset()
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -97,6 +106,8 @@ class Engine:
     allocator = property(lambda self: self.scheduler.allocator)
     num_preemptions = property(lambda self: self.scheduler.num_preemptions)
     kv_usage = property(lambda self: self.scheduler.kv_usage)
+    prefix_cache_stats: PrefixCacheStats = property(lambda self: self.scheduler.allocator.stats)
+    num_cached_blocks = property(lambda self: self.scheduler.allocator.num_cached)
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> StepStats:

@@ -115,6 +115,8 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(256, "tokens per step, prefill chunks and decode tokens together "
                                        "(a power of two)", check=_power_of_two)
     async_scheduling: bool = _arg(True, "keep the host one step ahead of the device", kind=bool)
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of prompt prefixes computed before, in blocks of "
+                                       "block_size x DCP tokens (automatic prefix caching)", kind=bool)
     seed: int = _arg(0, "seed of random weights and of unseeded sampling")
     orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
                                         "LLM.save_checkpoint, on any mesh)", kind=str)

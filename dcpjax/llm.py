@@ -122,6 +122,8 @@ class LLM:
         the next step is scheduled and dispatched before the last one's tokens are read.
       orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
         on any mesh) instead of `model`'s safetensors or random weights.
+      enable_prefix_caching: reuse the KV of prompt prefixes computed before (vLLM's automatic
+        prefix caching), in whole virtual blocks of block_size * DCP tokens; on by default.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
     """
 
@@ -144,6 +146,7 @@ class LLM:
         max_num_batched_tokens: int = 256,
         async_scheduling: bool = True,
         orbax_checkpoint: str | None = None,
+        enable_prefix_caching: bool = True,
         devices: Seq[jax.Device] | None = None,
     ):
         self.parallel_config = pc = ParallelConfig(
@@ -168,7 +171,10 @@ class LLM:
             self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+            enable_prefix_caching=enable_prefix_caching,
         )
+        logger.info("prefix caching: %s", f"on, in blocks of {block_size * pc.dcp} tokens ({block_size} x DCP "
+                    f"{pc.dcp}), up to {kv.num_blocks} cached blocks" if enable_prefix_caching else "off")
         self.seed = seed
         self._request_ids = itertools.count()
 
@@ -200,6 +206,10 @@ class LLM:
                 f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes or lower max_model_len"
             )
         return kv
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False while requests are running."""
+        return self.engine.reset_prefix_cache()
 
     def save_checkpoint(self, path: str) -> None:
         """Write the loaded weights as an orbax checkpoint, restorable onto any mesh

@@ -96,7 +96,8 @@ class OutputProcessor:
             logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
         )
-        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [completion], finished=seq.finished)
+        return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [completion], finished=seq.finished,
+                             num_cached_tokens=seq.num_cached_tokens)
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

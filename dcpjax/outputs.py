@@ -30,3 +30,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (None: not scheduled yet)

@@ -9,7 +9,12 @@ Every step the scheduler fills one batch, first come first served:
      same as if it had run alone);
   2. waiting sequences, while rows, tokens and blocks remain.
 Block ids are shared by all DCP ranks (each rank holds its tokens of a block), so one
-allocator serves the replica.
+`BlockPool` serves the replica. With prefix caching, a sequence admitted from the queue
+(new, or preempted) first takes the cached blocks of its longest cached prefix, in whole
+virtual blocks and leaving at least its last token to compute (its logits are needed),
+and computes only the rest. A block is registered once it is full, its tokens known to the host
+(a decode row's input may still be on the device) and its KV computed by a step already
+dispatched or by this step's prefill call.
 
 Asynchronous scheduling: the step in flight may still be sampling a sequence's next
 token when the next step is scheduled. Such a sequence (`num_pending` 1) decodes that
@@ -25,28 +30,9 @@ import dataclasses
 
 import numpy as np
 
+from dcpjax.block_pool import ROOT, BlockPool
 from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.sharding import layout
-
-
-class BlockAllocator:
-    """Free list of physical block ids (each id is a block on every DCP rank)."""
-
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self.free_ids = list(range(num_blocks - 1, -1, -1))
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_ids)
-
-    def allocate(self, count: int) -> list[int]:
-        if count > len(self.free_ids):
-            raise RuntimeError(f"asked for {count} KV blocks, {len(self.free_ids)} free")
-        return [self.free_ids.pop() for _ in range(count)]
-
-    def free(self, ids: list[int]) -> None:
-        self.free_ids.extend(reversed(ids))
 
 
 @dataclasses.dataclass
@@ -70,11 +56,13 @@ class Scheduler:
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, dcp: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True):
         self.block_size, self.dcp = block_size, dcp
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.blocks_per_seq = layout.blocks_needed(max_model_len, block_size, dcp)
-        self.allocator = BlockAllocator(num_blocks)
+        self.virtual_block_size = layout.virtual_block_size(block_size, dcp)
+        self.allocator = BlockPool(num_blocks, virtual_block_size=self.virtual_block_size,
+                                   enable_caching=enable_prefix_caching)
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.block_tables = np.zeros((max_num_seqs, self.blocks_per_seq), np.int32)
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -104,6 +92,7 @@ class Scheduler:
                 self.waiting.remove(seq)
             except ValueError:
                 pass  # preempted and finished in the same step: already out
+        self._cache_full_blocks(seq)
         self._release(seq)
 
     @property
@@ -122,15 +111,44 @@ class Scheduler:
             seq.blocks += new
         return True
 
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the sequence's full blocks whose KV is computed and whose tokens the host knows."""
+        size = self.virtual_block_size
+        full = min(seq.num_computed, seq.length) // size
+        for j in range(seq.num_hashed_blocks, full):
+            seq.prefix_key = self.allocator.register(seq.blocks[j], seq.prefix_key, seq.token_ids[j * size : (j + 1) * size])
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def _take_cached_prefix(self, seq: Sequence, budget: int) -> int | None:
+        """For a sequence leaving the queue: take the cached blocks of its prefix; returns how many
+        tokens to compute now, or None (nothing taken) if the blocks for them are not free."""
+        hits, key = self.allocator.lookup(seq.token_ids, seq.num_tokens - 1)
+        cached = len(hits) * self.virtual_block_size
+        want = min(seq.num_tokens - cached, budget)
+        extra = layout.blocks_needed(cached + want, self.block_size, self.dcp) - len(hits)
+        if extra + self.allocator.num_unreferenced(hits) > self.allocator.num_free:
+            return None
+        self.allocator.share(hits)
+        seq.blocks, seq.num_computed = hits, cached
+        seq.num_hashed_blocks, seq.prefix_key = len(hits), key
+        self.block_tables[seq.slot, : len(hits)] = hits
+        if self.allocator.enable_caching:
+            stats = self.allocator.stats
+            stats.queries, stats.hits = stats.queries + seq.num_tokens, stats.hits + cached
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+        return want
+
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.blocks)
-        seq.blocks = []
+        seq.blocks, seq.num_hashed_blocks, seq.prefix_key = [], 0, ROOT
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._cache_full_blocks(seq)  # its recompute finds them, unless evicted meanwhile
         self._release(seq)
         seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
         self.num_preemptions += 1
@@ -143,6 +161,11 @@ class Scheduler:
         seq.num_computed += count
         if row.samples:
             seq.num_pending += 1
+        if not row.is_decode:
+            # Cache its full blocks now: a sequence admitted later in this step may reuse them,
+            # since the prefill call writes every row's KV before any row attends. (A decode
+            # row's block waits for the next step: the decode call runs after the prefill call.)
+            self._cache_full_blocks(seq)
         return row
 
     def schedule(self) -> SchedulerOutput:
@@ -151,6 +174,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            self._cache_full_blocks(seq)
             if seq.num_pending and seq.num_tokens >= seq.max_total:
                 index += 1  # its pending token ends it ("length"): nothing more to compute
                 continue
@@ -173,16 +197,17 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was in flight: admitted once it is read
-            want = min(seq.num_tokens - seq.num_computed, budget)
             seq.slot = self.free_slots.pop()
-            if not self._grow(seq, seq.num_computed + want):
+            want = self._take_cached_prefix(seq, budget)
+            if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
                 break  # first come first served: nobody overtakes the head of the queue
+            self._grow(seq, seq.num_computed + want)
             self.waiting.popleft()
             self.running.append(seq)
             rows.append(self._row(seq, want))
             budget -= want
-        prefill = [r for r in rows if r.count > 1 or not r.samples]
-        decode = [r for r in rows if r.count == 1 and r.samples]
+        prefill = [r for r in rows if not r.is_decode]
+        decode = [r for r in rows if r.is_decode]
         return SchedulerOutput(prefill, decode, preempted)

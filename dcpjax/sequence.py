@@ -37,6 +37,9 @@ class Sequence:
     slot: int | None = None  # row of the device-side token buffer while running
     num_computed: int = 0  # tokens whose KV is in the cache (or written by the step in flight)
     num_pending: int = 0  # sampled on the device, not yet read by the host
+    num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
+    num_hashed_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
+    prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
 
@@ -81,3 +84,8 @@ class ScheduledRow:
     count: int
     samples: bool  # the chunk reaches the last known token: sample the next one
     device_input: bool  # the one input token is the previous step's sample, still on the device
+
+    @property
+    def is_decode(self) -> bool:
+        """One token that samples: runs in the step's decode call, after its prefill call."""
+        return self.count == 1 and self.samples

@@ -29,5 +29,9 @@ def test_two_processes_serve_what_one_process_computes(two_process_server):
     kw = dict(model="tiny-deepseek", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
     got = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
     assert got == want
-    streamed = "".join(c.choices[0].text for c in client.completions.create(prompt=prompts[1], stream=True, **kw))
-    assert streamed == want[1]
+    # the repeat reuses the first 64-token block (16 x DCP 4) from the prefix cache: both processes
+    # must take the same blocks, or their steps would differ
+    chunks = list(client.completions.create(prompt=prompts[1], stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == want[1]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 64

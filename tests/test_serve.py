@@ -130,16 +130,40 @@ def test_metrics_present(server):
     text = httpx.get(f"{server}/metrics").text
     for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
                  "time_to_first_token_seconds", "time_per_output_token_seconds", "prompt_tokens_total",
-                 "generation_tokens_total", "num_preemptions_total"):
+                 "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "prefix_cache_blocks"):
         assert f"dcpjax:{name}" in text
 
 
-def test_bench_serve_reports_latency_and_kv_usage(server):
-    from dcpjax.bench.client import run_benchmark
+def test_prefix_cache_hits_are_reported(client, server):
+    """A repeated prompt reuses its cached blocks (32 tokens each at block 16 x DCP 2): usage says how
+    many prompt tokens were cached, streamed (stream_options.include_usage) or not, and /metrics counts them."""
+    prompt = ("A shared system prompt, repeated by every request of this test. " * 2)[:100]  # + BOS: 101 tokens
+    queries, hits = metric(server, "prefix_cache_queries"), metric(server, "prefix_cache_hits")
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw)
+    assert again.usage.prompt_tokens_details.cached_tokens == 96  # whole blocks, never the last token
+    assert again.choices[0].text == first.choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 96
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == first.choices[0].text
+    assert metric(server, "prefix_cache_queries") - queries == 3 * first.usage.prompt_tokens
+    assert metric(server, "prefix_cache_hits") - hits == 2 * 96
+    assert metric(server, "prefix_cache_blocks") >= 3
 
-    result = asyncio.run(run_benchmark(server, MODEL, input_len=48, output_len=24, num_prompts=12,
-                                       max_concurrency=6, api_key=API_KEY, progress=False))
+
+def test_bench_serve_reports_latency_and_kv_usage(server):
+    from dcpjax.bench.client import make_prefix_repetition_prompts, run_benchmark
+
+    prompts = make_prefix_repetition_prompts(12, prefix_len=64, suffix_len=8, num_prefixes=3, seed=5)
+    result = asyncio.run(run_benchmark(server, MODEL, prompts=prompts, output_len=24, max_concurrency=3,
+                                       api_key=API_KEY, progress=False))
     assert (result["completed"], result["failed"]) == (12, 0)
+    # the first of each prefix misses, later ones reuse its 64 tokens (2 blocks of 32)
+    assert result["ttft_miss"]["median_ms"] > 0 and result["ttft_hit"]["median_ms"] > 0
+    assert 0.5 < result["prefix_cache_hit_rate"] <= 9 * 64 / result["prompt_tokens"]
     for metric in ("ttft", "tpot", "itl"):
         assert result[metric]["median_ms"] > 0 and result[metric]["p99_ms"] >= result[metric]["median_ms"]
     assert result["output_throughput"] > 0 and 0 < result["peak_kv_cache_usage"] <= 1

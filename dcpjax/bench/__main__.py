@@ -10,6 +10,10 @@
     # start the server at DCP 1 and DCP k (same TP, same workload) and compare side by side
     python -m dcpjax.bench compare --tensor-parallel-size 8 --decode-context-parallel-size 2 \\
         --num-cpu-devices 8 --input-len 1024 --output-len 64 --num-prompts 64 --max-concurrency 64
+
+    # shared prefixes: TTFT of prefix cache hits and misses, and the hit rate (vLLM's prefix_repetition)
+    python -m dcpjax.bench serve --dataset prefix-repetition --prefix-len 4096 --suffix-len 64 \\
+        --num-prefixes 4 --num-prompts 32 --output-len 8 --max-concurrency 1
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import json
 import sys
 import urllib.request
 
-from dcpjax.bench.client import run_benchmark
+from dcpjax.bench.client import make_prefix_repetition_prompts, make_prompts, run_benchmark
 from dcpjax.bench.throughput import add_arguments as add_throughput_arguments
 from dcpjax.engine_args import EngineArgs
 from dcpjax.serve.launch import ServerProcess, start_server
@@ -30,7 +34,13 @@ COMPARE_DEFAULTS = {"tensor_parallel_size": 8, "decode_context_parallel_size": 2
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", choices=("random", "prefix-repetition"), default="random",
+                   help="random: prompts of --input-len tokens; prefix-repetition: --num-prefixes shared prefixes "
+                   "of --prefix-len tokens, each prompt one of them (round robin) + --suffix-len tokens of its own")
     p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--prefix-len", type=int, default=1024)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=4)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=16)
@@ -70,18 +80,30 @@ def _served_model(base_url: str, headers: dict) -> dict:
         return json.loads(response.read())["data"][0]
 
 
+def _prompts(args, num: int, seed: int) -> list[str]:
+    if args.dataset == "prefix-repetition":
+        return make_prefix_repetition_prompts(num, args.prefix_len, args.suffix_len, args.num_prefixes, seed)
+    return make_prompts(num, args.input_len, seed)
+
+
 def _bench(base_url: str, model: str, args) -> dict:
     warmups = args.max_concurrency if args.num_warmups is None else args.num_warmups
-    if warmups:
+    if warmups:  # other prompts (seed 1): they compile the shapes without warming the measured prefixes
         asyncio.run(run_benchmark(
-            base_url, model, input_len=args.input_len, output_len=min(args.output_len, 4), num_prompts=warmups,
+            base_url, model, prompts=_prompts(args, warmups, seed=1), output_len=min(args.output_len, 4),
             max_concurrency=args.max_concurrency, api_key=args.api_key, progress=False, seed=1,
         ))
-    return asyncio.run(run_benchmark(
-        base_url, model, input_len=args.input_len, output_len=args.output_len, num_prompts=args.num_prompts,
+    result = asyncio.run(run_benchmark(
+        base_url, model, prompts=_prompts(args, args.num_prompts, seed=0), output_len=args.output_len,
         max_concurrency=args.max_concurrency, request_rate=args.request_rate, api_key=args.api_key,
         progress=not args.no_progress,
     ))
+    result["dataset"] = args.dataset
+    if args.dataset == "prefix-repetition":
+        result.update(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes)
+    else:
+        result["input_len"] = args.input_len
+    return result
 
 
 def _start_server(engine_args: EngineArgs, api_key: str | None) -> ServerProcess:
@@ -106,6 +128,9 @@ def table(results: dict) -> str:
         for stat in ("mean_ms", "median_ms", "p99_ms"):
             lines.append(_row(f"{metric.upper()} {stat.replace('_ms', '')} (ms)", lambda r, m=metric, s=stat: r[m][s], runs))
     lines.append(_row("peak KV usage", lambda r: 100 * r["peak_kv_cache_usage"], runs, "{:.0f}%"))
+    lines.append(_row("prefix cache hit rate", lambda r: 100 * r["prefix_cache_hit_rate"], runs, "{:.0f}%"))
+    for kind in ("hit", "miss"):
+        lines.append(_row(f"TTFT median, prefix {kind} (ms)", lambda r, k=kind: r[f"ttft_{k}"]["median_ms"], runs))
     return "\n".join(lines)
 
 
@@ -130,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                 result = _bench(server.base_url, model["id"], args)
                 result["kv_cache_size_tokens"] = model.get("kv_cache_size_tokens")
                 results[f"TP {args.tensor_parallel_size} DCP {dcp}"] = result
-        print(f"\n{args.model}: input {args.input_len}, output {args.output_len}, {args.num_prompts} prompts, "
+        workload = (f"prefix {args.prefix_len} x {args.num_prefixes} + suffix {args.suffix_len}"
+                    if args.dataset == "prefix-repetition" else f"input {args.input_len}")
+        print(f"\n{args.model}: {workload}, output {args.output_len}, {args.num_prompts} prompts, "
               f"concurrency {args.max_concurrency}, request rate {args.request_rate}\n")
         print(table(results))
     if args.json:

@@ -3,6 +3,15 @@
 TTFT: request sent -> first streamed token. ITL: gaps between streamed chunks.
 TPOT: (last token - first token) / (output tokens - 1), per request. Peak KV usage is
 polled from the server's /metrics (dcpjax:kv_cache_usage_perc) while the run lasts.
+Each stream ends with its usage (`stream_options.include_usage`), whose
+`prompt_tokens_details.cached_tokens` gives the prefix cache hit rate (cached prompt
+tokens / prompt tokens, as vLLM counts it) and splits TTFT into hits and misses.
+
+Datasets: "random" (prompts of --input-len tokens, nothing shared) and
+"prefix-repetition" (vLLM's idea: --num-prefixes prefixes of --prefix-len tokens, each
+prompt one of them plus its own --suffix-len tokens; request i takes prefix i mod P, a
+round robin, which is least-recently-used eviction's worst case when the prefixes do not
+all fit in the cache).
 """
 
 from __future__ import annotations
@@ -22,6 +31,8 @@ from tqdm.auto import tqdm
 @dataclasses.dataclass
 class RequestResult:
     ok: bool
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
     ttft: float = 0.0
     latency: float = 0.0
     itl: list = dataclasses.field(default_factory=list)
@@ -29,23 +40,37 @@ class RequestResult:
     error: str = ""
 
 
+WORDS = ["context", "parallel", "decode", "cache", "token", "device", "latent", "shard"]
+
+
+def _text(rng: random.Random, length: int) -> str:
+    """Random words, `length` characters (tokens, for a byte-level tokenizer)."""
+    text = ""
+    while len(text) < length:
+        text += rng.choice(WORDS) + " "
+    return text[:length]
+
+
 def make_prompts(num: int, input_len: int, seed: int = 0) -> list[str]:
     """Prompts of about input_len tokens for a byte-level tokenizer (one character a token)."""
     rng = random.Random(seed)
-    words = ["context", "parallel", "decode", "cache", "token", "device", "latent", "shard"]
-    prompts = []
-    for _ in range(num):
-        text = ""
-        while len(text) < input_len:
-            text += rng.choice(words) + " "
-        prompts.append(text[:input_len])
-    return prompts
+    return [_text(rng, input_len) for _ in range(num)]
+
+
+def make_prefix_repetition_prompts(num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                                   seed: int = 0) -> list[str]:
+    """`num` prompts: prefix i mod `num_prefixes` (of `prefix_len` tokens) + a suffix of its own."""
+    if min(num, prefix_len, suffix_len, num_prefixes) < 1:
+        raise ValueError("--num-prompts, --prefix-len, --suffix-len and --num-prefixes must be >= 1")
+    rng = random.Random(seed)
+    prefixes = [_text(rng, prefix_len) for _ in range(num_prefixes)]
+    return [prefixes[i % num_prefixes] + _text(rng, suffix_len) for i in range(num)]
 
 
 async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prompt: str, output_len: int,
                       headers: dict) -> RequestResult:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     result = RequestResult(ok=False)
     last = None
@@ -60,6 +85,11 @@ async def one_request(client: httpx.AsyncClient, base_url: str, model: str, prom
                     continue
                 chunk = json.loads(line[6:])
                 now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                if not chunk["choices"]:
+                    continue
                 choice = chunk["choices"][0]
                 if choice.get("text"):
                     if last is None:
@@ -101,11 +131,12 @@ def _stats(values) -> dict:
             "p99_ms": float(np.percentile(values, 99))}
 
 
-async def run_benchmark(base_url: str, model: str, *, input_len: int, output_len: int, num_prompts: int,
+async def run_benchmark(base_url: str, model: str, *, prompts: list[str], output_len: int,
                         max_concurrency: int, request_rate: float = float("inf"), api_key: str | None = None,
                         progress: bool = True, seed: int = 0) -> dict:
+    """Send `prompts` (at most `max_concurrency` at once, at `request_rate`) and measure."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    prompts = make_prompts(num_prompts, input_len, seed)
+    num_prompts = len(prompts)
     limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         semaphore = asyncio.Semaphore(max_concurrency)
@@ -133,10 +164,11 @@ async def run_benchmark(base_url: str, model: str, *, input_len: int, output_len
         bar.close()
     ok = [r for r in results if r.ok]
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
     return {
         "num_prompts": num_prompts, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "input_len": input_len, "output_len": output_len, "max_concurrency": max_concurrency,
+        "output_len": output_len, "max_concurrency": max_concurrency,
         "request_rate": request_rate if request_rate != float("inf") else "inf",
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
@@ -145,4 +177,8 @@ async def run_benchmark(base_url: str, model: str, *, input_len: int, output_len
         "tpot": _stats(tpot),
         "itl": _stats([gap for r in ok for gap in r.itl]),
         "peak_kv_cache_usage": peak[0],
+        "prompt_tokens": prompt_tokens,
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+        "ttft_hit": _stats([r.ttft for r in ok if r.cached_tokens > 0]),  # some of the prompt was cached
+        "ttft_miss": _stats([r.ttft for r in ok if r.cached_tokens == 0]),
     }

@@ -63,6 +63,7 @@ def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
     engine = llm.engine
     engine.async_scheduling = async_scheduling
     engine.timings = StepTimings()
+    llm.reset_prefix_cache()  # every pass computes every prompt: the warm-up's prefixes are no head start
     compiled = llm.runner.compiled_step_count
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -136,10 +136,15 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """pool [H, num_blocks, bs, ...] with new [N, H, ...] stored at flat slots [N]; slots < 0 dropped."""
-    flat = pool.reshape(pool.shape[0], -1, *pool.shape[3:])  # [H, num_blocks * bs, ...]
-    slots = jnp.where(slots < 0, flat.shape[1], slots)  # negative indices would wrap
-    return flat.at[:, slots].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype), mode="drop").reshape(pool.shape)
+    """pool [H, num_blocks, bs, ...] with new [N, H, ...] stored at flat slots [N]; slots < 0 dropped.
+
+    Indexed by (block, offset) in the pool's own shape: scattering into a flattened
+    [H, num_blocks * bs, ...] view made XLA:CPU copy the whole pool every step (in-place
+    aliasing lost through the reshape when the step also gathers from the pool).
+    """
+    block_size = pool.shape[2]
+    blocks = jnp.where(slots < 0, pool.shape[1], slots // block_size)  # out of range: dropped
+    return pool.at[:, blocks, slots % block_size].set(jnp.moveaxis(new, 1, 0).astype(pool.dtype), mode="drop")
 
 
 def _store(pool, scales, new, slots):

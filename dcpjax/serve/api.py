@@ -122,15 +122,19 @@ class _Server:
 
 def _usage(seq) -> dict:
     return {"prompt_tokens": seq.num_prompt_tokens, "completion_tokens": seq.num_output_tokens,
-            "total_tokens": seq.length}
+            "total_tokens": seq.length, "prompt_tokens_details": {"cached_tokens": seq.num_cached_tokens or 0}}
 
 
-def _sse(chunks) -> StreamingResponse:
-    async def body():
+def _sse(chunks, body, seq, head: dict) -> StreamingResponse:
+    """The chunks as server-sent events; with `stream_options.include_usage`, a last chunk
+    holding the usage and no choices (OpenAI's form), then `[DONE]`."""
+    async def events():
         async for chunk in chunks:
             yield f"data: {json.dumps(chunk)}\n\n"
+        if body.stream_options is not None and body.stream_options.include_usage:
+            yield f"data: {json.dumps({**head, 'created': int(time.time()), 'choices': [], 'usage': _usage(seq)})}\n\n"
         yield "data: [DONE]\n\n"
-    return StreamingResponse(body(), media_type="text/event-stream")
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 # -- route builders -------------------------------------------------------------------------------
@@ -191,7 +195,7 @@ def _add_completions_route(app: FastAPI, server: _Server, responses) -> None:
                     yield {"id": request_id, "object": "text_completion", "created": int(time.time()),
                            "model": model, "choices": [choice(u.text_delta, u.finish_reason, u.seq, u.logprobs,
                                                               u.token_ids)]}
-            return _sse(chunks())
+            return _sse(chunks(), body, seq, {"id": request_id, "object": "text_completion", "model": model})
         done = await server.collect(seq)
         return {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": [choice(done.text or "", done.finish_reason, done, done.logprobs, done.output_ids)],
@@ -235,7 +239,7 @@ def _add_chat_route(app: FastAPI, server: _Server, responses) -> None:
                     yield {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                            "model": model, "choices": [{"index": 0, "delta": delta,
                                                         "finish_reason": u.finish_reason}]}
-            return _sse(chunks())
+            return _sse(chunks(), body, seq, {"id": request_id, "object": "chat.completion.chunk", "model": model})
         done = await server.collect(seq)
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text or ""},

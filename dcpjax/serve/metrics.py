@@ -29,8 +29,18 @@ class Metrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens received.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.cached_blocks = gauge("prefix_cache_blocks", "KV blocks (block_size x DCP tokens each) holding a "
+                                   "cached prefix, in use or evictable.")
+        self._counted = (0, 0)  # prefix cache queries and hits already added to the counters
 
     def update(self, engine) -> None:
         self.kv_cache_usage.set(engine.kv_usage)
         self.running.set(len(engine.running))
         self.waiting.set(len(engine.waiting))
+        stats = engine.prefix_cache_stats
+        self.prefix_cache_queries.inc(stats.queries - self._counted[0])
+        self.prefix_cache_hits.inc(stats.hits - self._counted[1])
+        self._counted = (stats.queries, stats.hits)
+        self.cached_blocks.set(engine.num_cached_blocks)

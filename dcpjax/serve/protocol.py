@@ -20,6 +20,10 @@ FinishReason = Literal["stop", "length", "abort"]
 
 
 # -- requests ---------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="end the stream with a chunk holding `usage` and no choices")
+
+
 class SamplingFields(BaseModel):
     # clients send fields we do not use (user, ...); NaN and infinities are no sampling values
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -32,6 +36,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=1, description="completions per request: only 1 is supported")
     stream: bool = Field(False, description="answer with server-sent events (text/event-stream)")
+    stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
     seed: int | None = None
     # vLLM's extras
@@ -80,10 +85,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose KV came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(BaseModel):
@@ -108,6 +118,8 @@ class CompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
+    usage: Usage | None = Field(None, description="in the last chunk (no choices) with "
+                                "stream_options.include_usage")
 
 
 class CompletionResponse(CompletionChunk):
@@ -154,6 +166,8 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="in the last chunk (no choices) with "
+                                "stream_options.include_usage")
 
 
 class ModelCard(BaseModel):
