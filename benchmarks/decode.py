@@ -40,9 +40,9 @@ def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int, max
     times = []
     original = runner.launch
 
-    def timed_launch(rows, packed, chunk, config):  # time decode steps (one token per sequence)
+    def timed_launch(rows, packed, chunk, *args):  # time decode steps (one token per sequence)
         start = time.perf_counter()
-        result = original(rows, packed, chunk, config)
+        result = original(rows, packed, chunk, *args)
         result.output.block_until_ready()
         if chunk == 1:
             times.append(time.perf_counter() - start)

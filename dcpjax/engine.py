@@ -118,7 +118,7 @@ class Engine:
         now = time.perf_counter()
         t.schedule += now - start
         dispatched = []
-        for rows in (scheduled.prefill, scheduled.decode):
+        for rows in scheduled.calls:
             if rows:
                 before = now
                 prepared = self.runner.prepare(rows, self.scheduler.block_tables)

@@ -28,6 +28,8 @@ class OutputProcessor:
         values = result.fetch()
         finished = []
         for i, row in enumerate(result.rows):
+            if "prompt" in values and row.wants_prompt_logprobs and not row.seq.finished:
+                self._record_prompt_logprobs(row, values["prompt"], i)
             if not row.samples:
                 continue
             seq = row.seq
@@ -45,14 +47,29 @@ class OutputProcessor:
         seq.token_ids.append(token)
         params = seq.params
         if params.logprobs is not None and values is not None and "logprobs" in values:
-            logprob = float(values["logprobs"][row])
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + logprob
-            entry = {token: Logprob(logprob, int(values["ranks"][row]), self._piece(token))}
-            for rank, (tid, lp) in enumerate(zip(values["top_ids"][row], values["top_logprobs"][row])):
-                if rank < params.logprobs and int(tid) not in entry:
-                    entry[int(tid)] = Logprob(float(lp), rank + 1, self._piece(int(tid)))
+            entry = self._entry(token, values, (row,), params.logprobs)
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + entry[token].logprob
             seq.logprobs.append(entry)
         self._check_stop(seq, token)
+
+    def _entry(self, token: int, values: dict[str, np.ndarray], at: tuple, top: int) -> dict[int, Logprob]:
+        """{token: its Logprob, then the `top` most likely tokens'} from the step's arrays at index `at`."""
+        entry = {token: Logprob(float(values["logprobs"][at]), int(values["ranks"][at]), self._piece(token))}
+        for rank, (tid, lp) in enumerate(zip(values["top_ids"][at], values["top_logprobs"][at])):
+            if rank < top and int(tid) not in entry:
+                entry[int(tid)] = Logprob(float(lp), rank + 1, self._piece(int(tid)))
+        return entry
+
+    def _record_prompt_logprobs(self, row, prompt: dict[str, np.ndarray], i: int) -> None:
+        """The logprobs of the prompt tokens after each position of the chunk (each prompt token's
+        once: a chunk recomputed after a preemption adds nothing)."""
+        seq = row.seq
+        for t in range(row.count):
+            target = row.start + t + 1
+            if target >= seq.num_prompt_tokens:
+                break
+            if target == len(seq.prompt_logprobs):
+                seq.prompt_logprobs.append(self._entry(seq.token_ids[target], prompt, (i, t), seq.params.prompt_logprobs))
 
     def _piece(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.token_text(token)
@@ -97,7 +114,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
         )
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [completion], finished=seq.finished,
-                             num_cached_tokens=seq.num_cached_tokens)
+                             num_cached_tokens=seq.num_cached_tokens,
+                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

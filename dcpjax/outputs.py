@@ -31,3 +31,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (None: not scheduled yet)
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id: Logprob}
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -31,7 +31,7 @@ from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.llama import LlamaForCausalLM
-from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config
+from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config, token_logprobs
 from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, kv_head_slots, logical_spec
 
@@ -73,9 +73,10 @@ class KVCacheLayout:
         return num_layers * self.block_size * local_heads * per_token_head
 
 
-# Columns of a packed step input after the chunk's tokens and the block table.
-START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, COUNTER = range(11)
-NUM_META = 11
+# Columns of a packed step input after the chunk's tokens and the block table. NEXT: the
+# prompt token after the chunk (the target of its last position's prompt logprob), or -1.
+START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, COUNTER, NEXT = range(12)
+NUM_META = 12
 
 
 def _sampling_meta(seq) -> np.ndarray:
@@ -91,6 +92,16 @@ def _sampling_meta(seq) -> np.ndarray:
     return meta
 
 
+def _as_bits(x: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
+
+
+def _pack_logprobs(values) -> jax.Array:
+    """(logprob [...], rank [...], top_ids [..., k], top_logprobs [..., k]) -> [..., 2 + 2k] float32."""
+    logprob, rank, top_ids, top_logprobs = values
+    return jnp.concatenate([logprob[..., None], _as_bits(rank)[..., None], _as_bits(top_ids), top_logprobs], axis=-1)
+
+
 @dataclasses.dataclass
 class StepResult:
     """A dispatched step: its rows, and its sampled output still on (or coming from) the device."""
@@ -98,16 +109,26 @@ class StepResult:
     rows: list[ScheduledRow]
     output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs
     config: SamplerConfig
+    prompt_output: jax.Array | None = None  # [B, T, 2 + 2 * prompt_top] float32: prompt logprobs
+    prompt_top: int | None = None
 
     def fetch(self) -> dict[str, np.ndarray]:
-        """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids, top_logprobs."""
+        """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids,
+        top_logprobs; with prompt logprobs "prompt": the same per chunk position, [B, T(, k)]."""
         out = np.asarray(self.output)
-        if self.config.num_top is None:
-            return {"tokens": out}
-        k = self.config.num_top
-        as_int = lambda x: np.ascontiguousarray(x).view(np.int32)
-        return {"tokens": as_int(out[:, 0]), "logprobs": out[:, 1], "ranks": as_int(out[:, 2]),
-                "top_ids": as_int(out[:, 3 : 3 + k]), "top_logprobs": out[:, 3 + k :]}
+        values = {"tokens": out} if self.config.num_top is None else _unpack_logprobs(out, self.config.num_top)
+        if self.prompt_output is not None:
+            values["prompt"] = _unpack_logprobs(np.asarray(self.prompt_output), self.prompt_top, has_token=False)
+        return values
+
+
+def _unpack_logprobs(out: np.ndarray, k: int, has_token: bool = True) -> dict[str, np.ndarray]:
+    """[..., (token,) logprob, rank, top_ids * k, top_logprobs * k] float32 (ints bit-cast) -> named arrays."""
+    as_int = lambda x: np.ascontiguousarray(x).view(np.int32)
+    values = {"tokens": as_int(out[..., 0])} if has_token else {}
+    out = out[..., 1:] if has_token else out
+    return values | {"logprobs": out[..., 0], "ranks": as_int(out[..., 1]), "top_ids": as_int(out[..., 2 : 2 + k]),
+                     "top_logprobs": out[..., 2 + k :]}
 
 
 class ModelRunner:
@@ -147,14 +168,14 @@ class ModelRunner:
             v_head_dim=self.cfg.kv_lora_rank if mla else kv.pool_dims[1],
         )
 
-    def _model(self):
-        """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [B, vocab]
-        float32 replicated, caches)."""
+    def _model(self, all_positions: bool = False):
+        """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [B, vocab],
+        or [B, T, vocab] at all positions, float32 replicated, caches)."""
         graphdef, ctx = self.graphdef, self.ctx
         cache_specs = tuple(kv_cache_spec(cache) for cache in self.kv_caches)
 
         def body(state, kv_caches, batch):
-            return nnx.merge(graphdef, state)(batch, kv_caches, ctx)
+            return nnx.merge(graphdef, state)(batch, kv_caches, ctx, all_positions)
 
         return jax.shard_map(
             body,
@@ -165,9 +186,11 @@ class ModelRunner:
         )
 
     def _compile_step(self):
-        model, num_slots, replicated, param_tree = self._model(), self.max_num_seqs, self.replicated, self._param_tree
+        num_slots, replicated, param_tree = self.max_num_seqs, self.replicated, self._param_tree
+        models = {False: self._model(), True: self._model(all_positions=True)}
 
-        def step(param_leaves, kv_caches, slot_tokens, packed, chunk: int, config: SamplerConfig):
+        def step(param_leaves, kv_caches, slot_tokens, packed, chunk: int, config: SamplerConfig,
+                 prompt_top: int | None):
             state = jax.tree.unflatten(param_tree, param_leaves)
             width = packed.shape[1] - chunk - NUM_META
             meta = packed[:, chunk + width :]
@@ -183,7 +206,13 @@ class ModelRunner:
                 last_index=jnp.maximum(column(COUNT) - 1, 0),
                 block_tables=packed[:, chunk : chunk + width],
             )
-            logits, kv_caches = model(state, kv_caches, batch)
+            logits, kv_caches = models[prompt_top is not None](state, kv_caches, batch)
+            prompt_out = None
+            if prompt_top is not None:  # [B, T, vocab]: each position's logprob of the next prompt token
+                targets = jnp.where(offsets < column(COUNT)[:, None] - 1,
+                                    jnp.roll(batch.tokens, -1, axis=1), column(NEXT)[:, None])
+                prompt_out = _pack_logprobs(token_logprobs(logits, jnp.maximum(targets, 0), prompt_top))
+                logits = jnp.take_along_axis(logits, batch.last_index[:, None, None], axis=1)[:, 0]
             rows = SamplingRows(as_float(TEMPERATURE), column(TOP_K), as_float(TOP_P), as_float(MIN_P),
                                 jax.lax.bitcast_convert_type(column(SEED), jnp.uint32), column(COUNTER))
             sampled = sample(logits, rows, config)
@@ -191,20 +220,20 @@ class ModelRunner:
             slot_tokens = slot_tokens.at[target].set(sampled.tokens, mode="drop")
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
             if config.num_top is None:
-                return sampled.tokens, kv_caches, slot_tokens
-            as_bits = lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
-            out = jnp.concatenate([as_bits(sampled.tokens)[:, None], sampled.logprobs[:, None],
-                                   as_bits(sampled.ranks)[:, None], as_bits(sampled.top_ids), sampled.top_logprobs], axis=1)
-            return out, kv_caches, slot_tokens
+                return sampled.tokens, prompt_out, kv_caches, slot_tokens
+            out = jnp.concatenate([_as_bits(sampled.tokens)[:, None], _pack_logprobs(sampled[1:])], axis=1)
+            return out, prompt_out, kv_caches, slot_tokens
 
-        return jax.jit(step, static_argnames=("chunk", "config"), donate_argnums=(1, 2))
+        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top"), donate_argnums=(1, 2))
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray) -> tuple[np.ndarray, int, SamplerConfig]:
+    def prepare(self, rows: Seq[ScheduledRow],
+                block_tables: np.ndarray) -> tuple[np.ndarray, int, SamplerConfig, int | None]:
         """Pack a step's rows into one int32 array on the mesh (one transfer).
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
-        Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config).
+        Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config, top prompt
+        logprobs to return: None unless a row wants prompt logprobs).
         """
         batch, chunk = pow2_at_least(len(rows)), pow2_at_least(max(r.count for r in rows))
         width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
@@ -221,18 +250,29 @@ class ModelRunner:
         meta[:n, TEMPERATURE:COUNTER] = np.stack([_sampling_meta(r.seq) for r in rows])
         meta[:n, COUNTER] = column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows)  # the draw's index
         packed[:n, chunk : chunk + width] = block_tables[slots, :width]
+        meta[:, NEXT] = -1
+        prompt_tops = []
         for i, row in enumerate(rows):
             if not row.device_input:  # prefill chunks, and a first token after a preemption
                 packed[i, : row.count] = row.seq.token_ids[row.start : row.start + row.count]
+            if row.wants_prompt_logprobs:
+                prompt_tops.append(row.seq.params.prompt_logprobs)
+                end = row.start + row.count
+                meta[i, NEXT] = row.seq.token_ids[end] if end < row.seq.num_prompt_tokens else -1
         config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
-        return packed, chunk, config  # numpy: the jitted step transfers it (one copy, C++ path)
+        prompt_top = pow2_at_least(max(max(prompt_tops), 1)) if prompt_tops else None
+        return packed, chunk, config, prompt_top  # numpy: the jitted step transfers it (one copy, C++ path)
 
-    def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig) -> StepResult:
+    def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,
+               prompt_top: int | None = None) -> StepResult:
         """Dispatch the step (returns at once; the device runs it) and start copying its output home."""
-        output, self.kv_caches, self.slot_tokens = self._step(self._param_leaves, self.kv_caches, self.slot_tokens,
-                                                              packed, chunk=chunk, config=config)
+        output, prompt_output, self.kv_caches, self.slot_tokens = self._step(
+            self._param_leaves, self.kv_caches, self.slot_tokens, packed, chunk=chunk, config=config,
+            prompt_top=prompt_top)
         output.copy_to_host_async()
-        return StepResult(rows, output, config)
+        if prompt_output is not None:
+            prompt_output.copy_to_host_async()
+        return StepResult(rows, output, config, prompt_output, prompt_top)
 
     @property
     def compiled_step_count(self) -> int:

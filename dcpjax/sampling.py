@@ -29,6 +29,8 @@ class SamplingParams:
     temperature 0 is greedy. top_k 0 or -1 and top_p 1 disable those filters.
     logprobs: how many top log-probabilities to return per generated token
     (the sampled token's is always included); None returns none.
+    prompt_logprobs: the same for every prompt token after the first (vLLM's field; the
+    prompt is then computed in full, not taken from the prefix cache).
     """
 
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -59,8 +62,11 @@ class SamplingParams:
             bad("seed", "must be an integer or None")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1 (or None: up to max_model_len)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for field in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                bad(field, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             bad("stop", "must be a non-empty string or a list of them")
@@ -245,8 +251,17 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
         tokens = jnp.where(greedy, greedy_tokens, drawn)
     if config.num_top is None:
         return Sampled(tokens)
+    return Sampled(tokens, *token_logprobs(logits, tokens, config.num_top))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):
+    """Log-probabilities (log_softmax of raw logits, as vLLM reports them) of `tokens`.
+
+    logits [..., V] float32, tokens [...] int32 -> (logprob [...], rank [...] int32 with 1
+    the most likely, top_ids [..., num_top] int32, top_logprobs [..., num_top]).
+    """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=1)[:, 0]
-    ranks = 1 + jnp.sum(logprobs > chosen[:, None], axis=-1).astype(jnp.int32)
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, config.num_top)
-    return Sampled(tokens, chosen, ranks, top_ids.astype(jnp.int32), top_logprobs)
+    chosen = jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0]
+    ranks = 1 + jnp.sum(logprobs > chosen[..., None], axis=-1).astype(jnp.int32)
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, num_top)
+    return chosen, ranks, top_ids.astype(jnp.int32), top_logprobs

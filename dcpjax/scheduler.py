@@ -34,18 +34,30 @@ from dcpjax.block_pool import ROOT, BlockPool
 from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.sharding import layout
 
+# Prompt-logprobs chunks get logits at every position ([tokens, vocab] float32, several
+# copies while their log-softmax and top-k are taken, on every device): this many tokens a
+# step at most, so that a 128 k vocabulary stays under a GiB or so next to a full KV cache.
+PROMPT_LOGPROBS_TOKENS = 512
+
 
 @dataclasses.dataclass
 class SchedulerOutput:
-    """Prefill chunks and decode tokens run as two model calls: a decode row padded to a
-    prefill chunk would cost a whole chunk of compute."""
+    """Prefill chunks and decode tokens run as separate model calls (a decode row padded to a
+    prefill chunk would cost a whole chunk of compute), in this order: prefill, prefill with
+    prompt logprobs (logits at every position, for those rows only), decode."""
 
     prefill: list[ScheduledRow]
     decode: list[ScheduledRow]
     preempted: int = 0
+    prompt_logprobs: list[ScheduledRow] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.prefill or self.decode)
+        return bool(self.prefill or self.decode or self.prompt_logprobs)
+
+    @property
+    def calls(self) -> list[list[ScheduledRow]]:
+        """The non-empty model calls of the step, in dispatch order."""
+        return [rows for rows in (self.prefill, self.prompt_logprobs, self.decode) if rows]
 
 
 class Scheduler:
@@ -68,6 +80,7 @@ class Scheduler:
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._prompt_logprobs_budget = 0  # set by each schedule()
 
     # -- queues ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -85,13 +98,11 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out of the queues and free its blocks and slot."""
-        if seq.slot is not None:
-            self.running.remove(seq)
-        else:
+        for queue in (self.running, self.waiting):
             try:
-                self.waiting.remove(seq)
+                queue.remove(seq)  # in neither if preempted and finished in one step, or interrupted mid-admission
             except ValueError:
-                pass  # preempted and finished in the same step: already out
+                pass
         self._cache_full_blocks(seq)
         self._release(seq)
 
@@ -116,13 +127,16 @@ class Scheduler:
         size = self.virtual_block_size
         full = min(seq.num_computed, seq.length) // size
         for j in range(seq.num_hashed_blocks, full):
-            seq.prefix_key = self.allocator.register(seq.blocks[j], seq.prefix_key, seq.token_ids[j * size : (j + 1) * size])
+            tokens = seq.token_ids[j * size : (j + 1) * size]
+            seq.prefix_key = self.allocator.register(seq.blocks[j], seq.prefix_key, tokens)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     def _take_cached_prefix(self, seq: Sequence, budget: int) -> int | None:
         """For a sequence leaving the queue: take the cached blocks of its prefix; returns how many
         tokens to compute now, or None (nothing taken) if the blocks for them are not free."""
-        hits, key = self.allocator.lookup(seq.token_ids, seq.num_tokens - 1)
+        # prompt logprobs need every prompt position computed: such requests skip the lookup
+        wanted = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
+        hits, key = self.allocator.lookup(seq.token_ids, wanted)
         cached = len(hits) * self.virtual_block_size
         want = min(seq.num_tokens - cached, budget)
         extra = layout.blocks_needed(cached + want, self.block_size, self.dcp) - len(hits)
@@ -161,16 +175,25 @@ class Scheduler:
         seq.num_computed += count
         if row.samples:
             seq.num_pending += 1
-        if not row.is_decode:
+        if row.wants_prompt_logprobs:
+            self._prompt_logprobs_budget -= count
+        if not row.is_decode and not row.wants_prompt_logprobs:
             # Cache its full blocks now: a sequence admitted later in this step may reuse them,
-            # since the prefill call writes every row's KV before any row attends. (A decode
-            # row's block waits for the next step: the decode call runs after the prefill call.)
+            # since the prefill call, which runs first, writes every row's KV before any row
+            # attends. (Rows of the later calls register at the next step.)
             self._cache_full_blocks(seq)
         return row
+
+    def _budget_for(self, seq: Sequence, budget: int) -> int:
+        """Tokens `seq` may compute this step: prompt-logprobs chunks also share a smaller budget."""
+        if seq.needs_prompt_logprobs and seq.num_computed < seq.num_prompt_tokens - 1:
+            return min(budget, self._prompt_logprobs_budget)
+        return budget
 
     def schedule(self) -> SchedulerOutput:
         """The rows of the next step; updates each scheduled sequence's progress."""
         rows, budget, preempted = [], self.token_budget, 0
+        self._prompt_logprobs_budget = min(self.token_budget, PROMPT_LOGPROBS_TOKENS)
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
@@ -178,7 +201,7 @@ class Scheduler:
             if seq.num_pending and seq.num_tokens >= seq.max_total:
                 index += 1  # its pending token ends it ("length"): nothing more to compute
                 continue
-            want = min(seq.num_tokens - seq.num_computed, budget)
+            want = min(seq.num_tokens - seq.num_computed, self._budget_for(seq, budget))
             if want <= 0:
                 index += 1
                 continue
@@ -197,8 +220,10 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was in flight: admitted once it is read
+            if self._budget_for(seq, budget) <= 0:
+                break  # the prompt-logprobs budget is spent: next step
             seq.slot = self.free_slots.pop()
-            want = self._take_cached_prefix(seq, budget)
+            want = self._take_cached_prefix(seq, self._budget_for(seq, budget))
             if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
@@ -208,6 +233,6 @@ class Scheduler:
             self.running.append(seq)
             rows.append(self._row(seq, want))
             budget -= want
-        prefill = [r for r in rows if not r.is_decode]
-        decode = [r for r in rows if r.is_decode]
-        return SchedulerOutput(prefill, decode, preempted)
+        prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
+        decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]
+        return SchedulerOutput(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])

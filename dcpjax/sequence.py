@@ -28,6 +28,7 @@ class Sequence:
     token_ids: list[int] = dataclasses.field(init=False)
     num_prompt_tokens: int = dataclasses.field(init=False)
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = dataclasses.field(default_factory=lambda: [None])
     cumulative_logprob: float | None = None  # only when logprobs are requested, as in vLLM
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
@@ -71,6 +72,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens + start :]
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and has not got them all (a recompute after a preemption
+        that had them is an ordinary prefill)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -84,6 +91,11 @@ class ScheduledRow:
     count: int
     samples: bool  # the chunk reaches the last known token: sample the next one
     device_input: bool  # the one input token is the previous step's sample, still on the device
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The chunk holds prompt positions whose next-token logprob the request asked for."""
+        return self.seq.needs_prompt_logprobs and self.start < self.seq.num_prompt_tokens - 1
 
     @property
     def is_decode(self) -> bool:

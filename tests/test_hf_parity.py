@@ -63,3 +63,32 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, tp, dcp, interleave
         for step, want in zip(completion.logprobs, case["top_logprobs"]):
             for token, logprob in zip(want["ids"], want["logprobs"]):
                 assert step[token].logprob == pytest.approx(logprob, abs=1e-3)
+
+
+@pytest.mark.parametrize("name, tp, dcp, interleave, comm", [
+    ("qwen2", 1, 1, 1, "ag_rs"),
+    ("llama3-rope", 8, 2, 4, "ag_rs"),
+    ("qwen3", 4, 2, 2, "a2a"),
+    ("deepseek-v3", 8, 8, 2, "a2a"),
+])
+def test_prompt_logprobs_match_transformers(name, tp, dcp, interleave, comm):
+    """Prompt logprobs of prompt + greedy continuation equal transformers' logprobs of each
+    generated step: computed from the prefill chunks' logits on every DCP rank layout."""
+    folder = FIXTURES / name
+    expected = json.loads((folder / "expected.json").read_text())["cases"]
+    llm = dcpjax.LLM(
+        str(folder), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
+        cp_kv_cache_interleave_size=interleave, dcp_comm_backend=comm, block_size=4 * interleave,
+        max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20,
+    )
+    params = dcpjax.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": case["prompt"] + case["greedy"][:-1]} for case in expected], params)
+    for case, output in zip(expected, outputs):
+        got = output.prompt_logprobs
+        assert got[0] is None and len(got) == len(output.prompt_token_ids)
+        # step k of the fixture predicted greedy[k] after prompt + greedy[:k]: prompt position len(prompt) + k
+        for k, want in enumerate(case["top_logprobs"][:-1]):
+            entry = got[len(case["prompt"]) + k]
+            assert entry[case["greedy"][k]].rank == 1
+            for token, logprob in zip(want["ids"], want["logprobs"]):
+                assert entry[token].logprob == pytest.approx(logprob, abs=1e-3)

@@ -57,7 +57,10 @@ def test_every_status_is_documented_with_its_content_type(server):
                   "413": json_, "500": json_, "503": json_}
     assert statuses == {"/health": {"200": text, **errors}, "/metrics": {"200": text, "413": json_},
                         "/v1/models": {"200": json_, "401": json_, **errors},
-                        "/v1/completions": generation, "/v1/chat/completions": generation}
+                        "/v1/completions": generation, "/v1/chat/completions": generation,
+                        # not under /v1: no API key, as in vLLM
+                        "/tokenize": {"200": json_, "400": json_, "404": json_, **errors},
+                        "/detokenize": {"200": json_, "400": json_, "404": json_, **errors}}
     schemas = doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas  # validation errors are 400s with the OpenAI body
     assert set(schemas["ErrorDetail"]["properties"]) == {"message", "type", "param", "code"}
@@ -102,7 +105,9 @@ def error_of(response, status: int) -> dict:
         ({"prompt": [], "max_tokens": 2}, "prompt", ["empty"]),
         ({"prompt": "hi", "max_tokens": 33}, "max_tokens", ["max_tokens=33", "max_model_len=32", "at most"]),
         ({"prompt": ["a", "b"]}, "prompt", ["one prompt per request"]),
-        ({"prompt": "hi", "n": 2}, "n", ["n: Input should be less than or equal to 1"]),
+        ({"prompt": "hi", "n": 17}, "n", ["n: Input should be less than or equal to 16"]),
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["needs echo=true"]),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ["less than or equal to 20"]),
     ],
 )
 def test_admission_errors_say_what_to_change(client, body, param, fragments):

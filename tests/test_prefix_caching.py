@@ -185,3 +185,20 @@ def test_reset_prefix_cache_and_disabled_cache():
     assert llm.generate(prompt, params)[0].num_cached_tokens == (len(prompt) - 1) // 4 * 4
     assert llm.reset_prefix_cache() and llm.engine.num_cached_blocks == 0
     assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+
+
+def test_prompt_logprobs_requests_compute_every_prompt_position(monkeypatch):
+    """They skip the cache (every position's logits are needed) and take their own smaller
+    per-step budget; the logprobs are the same however the prompt is cut into chunks."""
+    from dcpjax import scheduler
+
+    llm = LLM("tiny-llama", block_size=4, kv_cache_memory_bytes=1 << 20, max_model_len=256, max_num_batched_tokens=32)
+    prompt = "prompt logprobs over a prompt cut into many chunks " * 2
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    whole = llm.generate(prompt, params)[0]
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROBS_TOKENS", 8)
+    again = llm.generate(prompt, params)[0]  # its prefix is cached now, and chunks are 8 tokens
+    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(again.prompt_token_ids)
+    for a, b in zip(whole.prompt_logprobs[1:], again.prompt_logprobs[1:]):
+        assert {t: lp.logprob for t, lp in a.items()} == pytest.approx({t: lp.logprob for t, lp in b.items()}, abs=1e-4)
+    assert llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2))[0].num_cached_tokens > 0

@@ -105,7 +105,7 @@ def test_client_disconnect_frees_blocks(server):
         ({"model": MODEL, "prompt": "hi", "top_p": 2}, 400, "top_p", "top_p"),
         ({"model": MODEL, "prompt": "hi", "top_k": -5}, 400, "top_k", "top_k"),
         ({"model": MODEL, "prompt": "hi", "min_p": 3}, 400, "min_p", "min_p"),
-        ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n: Input should be less than or equal to 1", "n"),
+        ({"model": MODEL, "prompt": "hi", "n": 17}, 400, "n: Input should be less than or equal to 16", "n"),
         ({"model": MODEL, "prompt": [1, 2, 99999]}, 400, "outside this model's vocabulary", "prompt"),
         ({"model": MODEL, "prompt": "z" * 200000}, 413, "over 100000 bytes", None),
     ],

@@ -96,15 +96,18 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype)
         self.vocab_size = cfg.vocab_size
 
-    def __call__(self, batch: StepBatch, kv_caches: tuple[KVCache, ...], ctx: StepContext):
+    def __call__(self, batch: StepBatch, kv_caches: tuple[KVCache, ...], ctx: StepContext,
+                 all_positions: bool = False):
         """One chunk of T tokens per sequence.
 
         Args:
           batch: the step's rows (`StepBatch`).
           kv_caches: per layer, this rank's `KVCache` (pools [num_blocks, bs, kv_local, d], or
             MLA's latent; fp8 scales or None; no block tables: they come with the batch).
+          all_positions: logits at every position (prompt logprobs), not only at last_index.
         Returns:
-          logits [B, vocab] float32 (replicated) and the updated kv_caches.
+          logits [B, vocab] (or [B, T, vocab] with all_positions) float32 (replicated) and the
+          updated kv_caches.
         """
         batch = batch.on_rank(kv_caches[0].block_size, ctx.pc)
         x = self.embed(batch.tokens)
@@ -112,6 +115,8 @@ class CausalLM(nnx.Module):
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, batch, kv, ctx)
             new_caches.append(kv)
-        last = self.norm(jnp.take_along_axis(x, batch.last_index[:, None, None], axis=1)[:, 0])  # [B, hidden]
+        if not all_positions:
+            x = jnp.take_along_axis(x, batch.last_index[:, None, None], axis=1)[:, 0]  # [B, hidden]
+        last = self.norm(x)
         local = self.embed.attend(last) if self.lm_head is None else self.lm_head(last)
         return gather_vocab(local, self.vocab_size), tuple(new_caches)

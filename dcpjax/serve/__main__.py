@@ -12,6 +12,7 @@ import sys
 
 from dcpjax.engine_args import EngineArgs
 from dcpjax.serve.faults import DEFAULT_FAILURE_TIMEOUT
+from dcpjax.serve.tool_parsers import PARSERS
 
 logger = logging.getLogger("dcpjax.serve")  # not __name__: that is "__main__" under python -m
 
@@ -25,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="larger bodies get 413")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="the chat template to use instead of the model's: a jinja file, an inline template, or the "
+                        "name of one of the model's named templates")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="parse tool calls out of chat output when tool_choice is auto (needs --tool-call-parser)")
+    p.add_argument("--tool-call-parser", choices=sorted(PARSERS), help="the model's tool-call format")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/SIGINT: seconds to let accepted requests finish before aborting them")
     p.add_argument("--failure-timeout", type=float, default=DEFAULT_FAILURE_TIMEOUT,
@@ -38,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, parsed."""
-    return build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
+    return args
 
 
 def init_distributed(args: argparse.Namespace) -> None:
@@ -62,12 +73,14 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     from dcpjax.serve.async_engine import AsyncEngine
     from dcpjax.serve.metrics import Metrics
     from dcpjax.serve.shutdown import Draining, GracefulServer, add_availability_guard
+    from dcpjax.serve.tool_calls import ToolConfig
 
     name = args.served_model_name or args.model
     metrics = Metrics(name)
     engine = AsyncEngine(llm.engine, metrics, channel, failure_timeout=args.failure_timeout)
     app = build_app(llm, engine, metrics, served_model_name=name, api_key=args.api_key,
-                    max_body_bytes=args.max_request_bytes)
+                    max_body_bytes=args.max_request_bytes, chat_template=args.chat_template,
+                    tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
     draining = Draining()
     add_availability_guard(app, draining, engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")

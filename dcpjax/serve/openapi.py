@@ -51,6 +51,8 @@ def route_responses(path: str, *, api_key: bool) -> dict[int | str, dict]:
         statuses += [401] if api_key else []
     if path in STREAMED:
         statuses += [400, 404, 500]
+    elif path in ("/tokenize", "/detokenize"):
+        statuses += [400, 404]
     return error_responses(*sorted(statuses))
 
 
@@ -83,6 +85,7 @@ def _patch_requests(schemas: dict, model: str, max_model_len: int, vocab_size: i
             if field in props:
                 _bound(props[field], maximum=max_model_len)
     _bound(schemas["CompletionRequest"]["properties"]["prompt"], maximum=vocab_size - 1)
+    _bound(schemas["DetokenizeRequest"]["properties"]["tokens"], maximum=vocab_size - 1)
     schemas["CompletionRequest"]["examples"] = [{"model": model, "prompt": "The capital of France is",
                                                  "max_tokens": 8, "temperature": 0}]
     schemas["ChatRequest"]["examples"] = [{"model": model, "messages": [{"role": "user", "content": "Hello!"}],

@@ -14,9 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dcpjax.sampling import MAX_LOGPROBS
 
+MAX_N = 16  # choices per request
+
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 # -- requests ---------------------------------------------------------------------------------------
@@ -34,7 +36,8 @@ class SamplingFields(BaseModel):
                                    "max_model_len tokens in all")
     temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=1, description="completions per request: only 1 is supported")
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per request, each drawn on its own (with a seed: "
+                   "choice i uses seed + i); the prompt's KV is shared through the prefix cache")
     stream: bool = Field(False, description="answer with server-sent events (text/event-stream)")
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
@@ -45,13 +48,18 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per prompt token "
+                                        "(vLLM's field; returned as prompt_logprobs, null for the first token)")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         description="text or token ids; a list of prompts must hold exactly one")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most (default 16); 0 only with "
+                                   "echo (the prompt and, with logprobs, its logprobs alone)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = Field(False, description="accepted for compatibility; the prompt is not echoed")
+    echo: bool = Field(False, description="the prompt comes first in the text (and, with logprobs, its tokens and "
+                       "logprobs, the first token's null)")
 
 
 class ContentPart(BaseModel):
@@ -66,11 +74,46 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = Field("", description="text, or parts whose 'text' ones are used")
 
 
-class ChatRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """How the chat template renders the messages (vLLM's fields)."""
+
+    add_generation_prompt: bool = Field(True, description="end with the assistant's turn header")
+    continue_final_message: bool = Field(False, description="leave the last message open for the model to continue "
+                                         "(needs add_generation_prompt false)")
+    chat_template_kwargs: dict | None = Field(None, description="extra template variables, e.g. enable_thinking")
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = Field(None, description="JSON schema of the arguments")
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = Field(None, description="functions the model may call (rendered by the template)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without; auto needs --enable-auto-tool-choice; required "
+        "and a named function need --tool-call-parser and open the call for the model (no constrained decoding)")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
-    logprobs: bool = Field(False, description="accepted; chat responses carry no logprobs yet")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: bool = Field(False, description="return each generated token's logprob (choices[].logprobs.content)")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the most likely "
+                                     "tokens at each position")
 
 
 # -- responses --------------------------------------------------------------------------------------
@@ -98,8 +141,29 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="null for the first prompt token (echo)")
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int] = Field(description="where each token starts in the choice's text")
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -108,6 +172,8 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = Field(description="null until the last chunk of a stream")
     stop_reason: int | str | None = Field(None, description="the stop token id or string that ended it")
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="with prompt_logprobs, per prompt token (keyed by token id): null for the first")
 
 
 class CompletionChunk(BaseModel):
@@ -126,9 +192,21 @@ class CompletionResponse(CompletionChunk):
     usage: Usage
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON string")
+
+
+class ToolCallItem(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallItem] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -136,6 +214,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     finish_reason: FinishReason
     stop_reason: int | str | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -145,17 +224,33 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="with prompt_logprobs, per prompt token (keyed by token id): null for the first")
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = Field(None, description="in a call's first delta")
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
 
 
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = Field(None, description="in the first chunk only")
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -168,6 +263,45 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, description="in the last chunk (no choices) with "
                                 "stream_options.include_usage")
+
+
+class TokenizePromptRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the served model's name (optional)")
+    prompt: str = Field(description="text to tokenize")
+    add_special_tokens: bool = Field(True, description="add the tokenizer's special tokens (BOS)")
+    return_token_strs: bool = Field(False, description="also return each token's text")
+
+
+class TokenizeChatRequest(ChatTemplateFields):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="the served model's name (optional)")
+    messages: list[ChatMessage] = Field(min_length=1, description="a conversation, rendered by the chat template")
+    tools: list[ChatTool] | None = Field(None, description="tools, rendered by the chat template")
+    return_token_strs: bool = Field(False, description="also return each token's text")
+
+
+TokenizeRequest = TokenizePromptRequest | TokenizeChatRequest  # vLLM's two forms
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelCard(BaseModel):

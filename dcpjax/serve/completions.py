@@ -1,0 +1,111 @@
+"""/v1/completions: OpenAI's completions with vLLM's extras, what evaluation harnesses call.
+
+- `echo`: the prompt comes first in each choice's text, and with `logprobs` its tokens and
+  their log-probabilities come first too (the first token's null), as OpenAI and vLLM return
+  them; lm-evaluation-harness scores loglikelihoods this way.
+- `max_tokens: 0` with `echo`: the prompt (and its logprobs) alone. The engine still samples
+  one token, which is dropped.
+- `prompt_logprobs` (vLLM's field): per prompt token `{token id: {logprob, rank, decoded_token}}`.
+- `n`: choices drawn independently, streamed interleaved by `index`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+
+from dcpjax.serve import logprob_format
+from dcpjax.serve.context import ServerContext, sse, usage
+from dcpjax.serve.errors import APIError
+from dcpjax.serve.protocol import CompletionRequest, CompletionResponse
+
+
+def _prompt(server: ServerContext, body: CompletionRequest) -> tuple[list[int], str]:
+    """The one prompt of a body as (token ids, text); token-id prompts are decoded for echo."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise APIError(400, f"send one prompt per request (got a list of {len(prompt)})", param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        tokenizer = server.llm.tokenizer
+        return list(prompt), tokenizer.decode(prompt) if tokenizer is not None and body.echo else ""
+    return server.encode(prompt), prompt
+
+
+class _Choices:
+    """Builds each choice of one request, whole or as stream deltas."""
+
+    def __init__(self, server: ServerContext, body: CompletionRequest, ids: list[int], text: str):
+        self.server, self.body, self.ids, self.text = server, body, ids, text
+        self.prompt_only = body.max_tokens == 0  # echo of the prompt alone: the sampled token is dropped
+
+    def logprobs(self, seq, tokens, entries, text_start, echo_prompt: bool):
+        if self.body.logprobs is None:
+            return None
+        if echo_prompt:
+            tokens, entries = [*self.ids, *tokens], [*seq.prompt_logprobs, *entries]
+        return logprob_format.completion_logprobs(self.server.piece, tokens, entries, self.body.logprobs, text_start)
+
+    def choice(self, index: int, seq, text: str, tokens, entries, finish_reason, first: bool, text_start: int = 0):
+        """A choice (or a delta of one); `first`: the first piece of this choice (where echo goes)."""
+        echo = self.body.echo and first
+        stop_reason = seq.stop_reason if finish_reason else None
+        if self.prompt_only:  # whatever ended the dropped token, the answer is the prompt: "length"
+            text, tokens, entries = "", [], []
+            finish_reason, stop_reason = ("length" if finish_reason else None), None
+        choice = {"index": index, "text": (self.text if echo else "") + text, "finish_reason": finish_reason,
+                  "stop_reason": stop_reason,
+                  "logprobs": self.logprobs(seq, tokens, entries, 0 if echo else text_start, echo)}
+        if first and self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = logprob_format.prompt_logprobs(seq.prompt_logprobs, self.body.prompt_logprobs)
+        return choice
+
+    def usage(self, seqs) -> dict:
+        counted = usage(seqs)
+        if self.prompt_only:
+            counted["total_tokens"] -= counted["completion_tokens"]
+            counted["completion_tokens"] = 0
+        return counted
+
+
+def _check_echo(body: CompletionRequest) -> None:
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens=0 generates nothing: it needs echo=true (the prompt and its logprobs alone)",
+                       param="max_tokens")
+
+
+def add_completions_route(app: FastAPI, server: ServerContext, responses) -> None:
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=responses("/v1/completions"))
+    async def completions(body: CompletionRequest):
+        """Complete a prompt (text or token ids); `stream: true` answers with server-sent events."""
+        server.check_model(body.model)
+        _check_echo(body)
+        ids, text = _prompt(server, body)
+        max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
+        # echo with logprobs returns the prompt's logprobs too
+        prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
+        if prompt_top is not None and body.prompt_logprobs is not None:
+            prompt_top = max(prompt_top, body.prompt_logprobs)
+        params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
+        seqs = server.sequences(ids, text, params, body.n)
+        request_id, model = seqs[0].request_id.rsplit("-", 1)[0] if body.n > 1 else seqs[0].request_id, server.model
+        head = {"id": request_id, "object": "text_completion", "model": model}
+        build = _Choices(server, body, ids, text)
+        if body.stream:
+            async def chunks():
+                offset = [0] * len(seqs)  # text_offset of each choice's next token (token texts, as unstreamed)
+                started = [False] * len(seqs)
+                async for i, u in server.stream_all(seqs):
+                    choice = build.choice(i, u.seq, u.text_delta, u.token_ids, u.logprobs, u.finish_reason,
+                                          not started[i], offset[i])
+                    started[i] = True
+                    if choice["logprobs"] is not None:
+                        offset[i] += sum(len(token) for token in choice["logprobs"]["tokens"])
+                    yield {**head, "created": int(time.time()), "choices": [choice]}
+            return sse(chunks(), body, seqs, head, build.usage)
+        await server.collect_all(seqs)
+        choices = [build.choice(i, seq, seq.text or "", seq.output_ids, seq.logprobs, seq.finish_reason, True)
+                   for i, seq in enumerate(seqs)]
+        return {**head, "created": int(time.time()), "choices": choices, "usage": build.usage(seqs)}
