@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import re
 import sys
 import time
 
@@ -35,6 +34,7 @@ import numpy as np
 
 import dcpjax
 from dcpjax.kernels import AttentionOptions, KVCache, decode_attention
+from dcpjax.sharding.traffic import dcp_collective_bytes, hlo_collective_bytes
 
 TP = 8
 # name: (q_heads, kv_heads, dk, dv, latent, layers)
@@ -92,55 +92,13 @@ def _time(fn, repeats):
     return best
 
 
-_SHAPE = re.compile(r"(f32|bf16|f16|s32|u32|pred)\[([\d,]*)\]")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
-
-
-def _shape_bytes(text):
-    match = _SHAPE.search(text)
-    dims = [int(d) for d in match.group(2).split(",") if d]
-    return _BYTES[match.group(1)] * int(np.prod(dims, dtype=np.int64))
-
-
-def hlo_collective_bytes(hlo_text, dcp):
-    """(kind, bytes each device receives per step by ring algorithms), from the compiled HLO.
-
-    Results may be tuples (the CPU backend splits an all-to-all into one operand per peer).
-    """
-    shapes = {}  # instruction name -> bytes of its (non-tuple) result
-    for m in re.finditer(r"%(\S+) = (\w+\[[\d,]*\])", hlo_text):
-        shapes[m.group(1)] = _shape_bytes(m.group(2))
-    kinds = "all-gather|reduce-scatter|all-to-all|all-reduce|collective-permute"
-    found = []
-    for m in re.finditer(rf"%\S+ = (\(.*?\)|\S+) ({kinds})(?:-start)?\(([^)]*)\)", hlo_text):
-        result = sum(_shape_bytes(t.group(0)) for t in _SHAPE.finditer(m.group(1)))
-        operands = sum(shapes[name] for name in re.findall(r"%([^,\s]+)", m.group(3)))
-        kind = m.group(2)
-        if kind == "all-gather":
-            moved = result * (dcp - 1) / dcp
-        elif kind in ("reduce-scatter", "all-to-all"):
-            moved = operands * (dcp - 1) / dcp
-        elif kind == "all-reduce":
-            moved = operands * 2 * (dcp - 1) / dcp
-        else:
-            moved = operands
-        found.append((kind, moved))
-    return found
-
-
 def analytic_collective_bytes(layout, dcp, batch, q_bytes, comm):
-    """Bytes a device must receive per decode step by ring collectives, from the algorithm alone:
-    Q all_gather, then LSE all_gather + output psum_scatter (ag_rs) or one all_to_all (a2a)."""
+    """Bytes a device must receive per decode step by ring collectives, from the algorithm alone
+    (`dcpjax.sharding.traffic`): Q all_gather, then LSE all_gather + output psum_scatter (ag_rs)
+    or one all_to_all (a2a)."""
     q_heads, _, dk, dv, _, _ = layout
-    if dcp == 1:
-        return 0.0
-    group_heads = q_heads // (TP // dcp)
-    gather_q = batch * (q_heads // TP) * dk * q_bytes * (dcp - 1)
-    if comm == "a2a":
-        merge = batch * group_heads * (dv + 1) * 4 * (dcp - 1) / dcp
-    else:
-        merge = batch * group_heads * 4 * (dcp - 1) / dcp * dcp + batch * group_heads * dv * 4 * (dcp - 1) / dcp
-    return gather_q + merge
+    return dcp_collective_bytes(tp=TP, dcp=dcp, q_heads=q_heads, dk=dk, dv=dv, batch=batch, q_bytes=q_bytes,
+                                comm=comm)
 
 
 def step_table(layouts, contexts, repeats, comm, total_tokens):

@@ -1,6 +1,9 @@
-"""Memory plan of a deployment: weights and KV cache per device, and the KV capacity.
+"""Memory plan of a deployment: weights and KV cache per device, and the KV capacity; or, with
+--model, every DCP size of a model at a TP with its traffic, a roofline and a recommendation.
 
     python -m dcpjax.plan configs/qwen3-235b-a22b-tp8-dcp2.json [...]
+    python -m dcpjax.plan --model FOLDER_OR_CONFIG -tp 8 --device h200 --interconnect nvlink \\
+        --input-len 32768 --output-len 1024 --concurrency 64 [--json]
 
 A deployment file names a model (its Hugging Face config.json fields), the
 parallel configuration, and the device (memory in bytes, utilisation). The plan
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.config import ModelConfig
+from dcpjax.models.config import ModelConfig, load_model_config
 from dcpjax.runner import build_model, kv_cache_layout
 from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES
 
@@ -114,11 +117,90 @@ def markdown_rows(paths) -> list[str]:
     return rows
 
 
-def main(argv=None) -> int:
+def plan_model(args) -> dict:
+    """Every DCP size of --model at --tensor-parallel-size, and the recommendation."""
+    from dcpjax import planner
+
+    try:
+        cfg = load_model_config(args.model)
+    except ValueError as err:
+        raise SystemExit(f"--model: {err}") from None
+    device = planner.DEVICES[args.device]
+    device = dataclasses.replace(device, memory_gb=args.memory_gb or device.memory_gb,
+                                 hbm_tbps=args.hbm_tbps or device.hbm_tbps)
+    link = planner.LINKS[args.interconnect]
+    link = dataclasses.replace(link, gbps=args.link_gbps or link.gbps, latency_us=args.link_latency_us or link.latency_us)
+    workload = planner.Workload(args.input_len, args.output_len, args.concurrency)
+    kv_dtype = jnp.float8_e4m3fn if args.kv_cache_dtype == "fp8" else jnp.dtype(args.kv_cache_dtype)
+    rows = []
+    for dcp in [d for d in range(1, args.tensor_parallel_size + 1) if args.tensor_parallel_size % d == 0]:
+        pc = ParallelConfig(args.tensor_parallel_size, dcp)
+        weights = weight_bytes_per_device(cfg, pc, args.weight_dtype or args.dtype) if not pc.model_rule_violations(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.use_mla) else 0
+        rows.append(planner.plan_size(cfg, pc, device=device, link=link, workload=workload, weight_bytes=weights,
+                                      kv_dtype=kv_dtype, block_size=args.block_size,
+                                      q_bytes=jnp.dtype(args.dtype).itemsize))
+    choice, reasons = planner.recommend(cfg, rows, link, workload)
+    return {"model": args.model, "tp": args.tensor_parallel_size, "device": dataclasses.asdict(device),
+            "link": dataclasses.asdict(link), "workload": dataclasses.asdict(workload), "sizes": rows,
+            "recommended_dcp": choice, "reasons": reasons}
+
+
+def plan_table(plan: dict) -> str:
+    header = ("| DCP | verdict | KV tokens | fit | KV read / step | collectives / step (ag_rs, a2a) "
+              "| step ms (ag_rs, a2a) | tok/s (best) |")
+    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in plan["sizes"]:
+        if not r["valid"]:
+            lines.append(f"| {r['dcp']} | rejected: {'; '.join(r['rules_broken'])} | - | - | - | - | - | - |")
+            continue
+        c, t = r["collective_bytes_per_step"], r["step_seconds"]
+        lines.append(f"| {r['dcp']} | valid | {r['kv_cache_size_tokens']:,} | {r['sequences_that_fit']:,} | "
+                     f"{r['kv_read_bytes_per_step'] / 1e6:,.1f} MB | {c['ag_rs'] / 1e6:,.2f} / {c['a2a'] / 1e6:,.2f} MB "
+                     f"| {t['ag_rs'] * 1e3:.2f} / {t['a2a'] * 1e3:.2f} | {max(r['tokens_per_second'].values()):,.0f} |")
+    lines += ["", f"Recommended: DCP {plan['recommended_dcp']}", *(f"- {reason}" for reason in plan["reasons"])]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dcpjax import planner
+
     p = argparse.ArgumentParser(prog="python -m dcpjax.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("configs", nargs="+", help="deployment JSON files (see configs/)")
+    p.add_argument("configs", nargs="*", help="deployment JSON files (see configs/)")
+    p.add_argument("--model", help="a Hugging Face folder, a config.json or a built-in model: plan every DCP size")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=8)
+    p.add_argument("--device", choices=sorted(planner.DEVICES), default="h200")
+    p.add_argument("--memory-gb", type=float, help="device memory (overrides the preset)")
+    p.add_argument("--hbm-tbps", type=float, help="memory bandwidth in TB/s (overrides the preset)")
+    p.add_argument("--interconnect", choices=sorted(planner.LINKS), default="nvlink")
+    p.add_argument("--link-gbps", type=float, help="GB/s a device receives (overrides the preset)")
+    p.add_argument("--link-latency-us", type=float, help="us per collective (overrides the preset)")
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="activations (queries on the wire)")
+    p.add_argument("--weight-dtype", choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
+                   help="weights as the checkpoint ships them (default: --dtype)")
+    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "fp8"))
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
-    print("\n".join(markdown_rows(args.configs)))
+    if args.model is None and not args.configs:
+        p.error("give deployment files, or --model to plan every DCP size")
+    for name in ("tensor_parallel_size", "input_len", "output_len", "concurrency", "block_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.configs:
+        print("\n".join(markdown_rows(args.configs)))
+    if args.model is not None:
+        plan = plan_model(args)
+        print(json.dumps(plan, indent=1, default=str) if args.json else plan_table(plan))
     return 0
 
 

@@ -69,3 +69,10 @@ def test_prefill_kv_reads_count():
     assert before / now == pytest.approx(16.0, rel=0.01)
     before_one, now_one = kv_reads(**(gqa | dict(chunk=1)), target="tpu")
     assert before_one == now_one  # decode: nothing to share
+
+
+def test_roofline_check_smoke():
+    out = _run("benchmarks/roofline_check.py", "--contexts", "128", "--batch", "1", "--steps", "3", "--dcp", "1", "2")
+    assert "measured CPU preset" in out
+    rows = [line for line in out.splitlines() if line.startswith("| 128 |")]
+    assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)

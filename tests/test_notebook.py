@@ -17,4 +17,5 @@ def test_quickstart_runs_top_to_bottom(monkeypatch):
     assert "greedy outputs identical at DCP 1, 2, 4" in outputs
     assert "DCP 4: " in outputs and "KV bytes per device" in outputs
     images = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
-    assert len(images) == 1  # the capacity plot
+    assert len(images) == 4  # the capacity plot, then the sweep's three
+    assert "Recommended: DCP 8" in outputs and "server,dcp,input_len,concurrency" in outputs

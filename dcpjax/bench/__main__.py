@@ -1,4 +1,4 @@
-"""`python -m dcpjax.bench throughput|serve|compare`: offline and serving benchmarks.
+"""`python -m dcpjax.bench throughput|serve|compare|sweep`: offline and serving benchmarks.
 
     # offline generation speed, with a per-step breakdown of host work (vLLM's bench throughput)
     python -m dcpjax.bench throughput --model tiny-llama --num-prompts 32 --input-len 64 --output-len 128
@@ -19,15 +19,13 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
-import urllib.request
 
-from dcpjax.bench.client import make_prefix_repetition_prompts, make_prompts, run_benchmark
+from dcpjax.bench.serving import bench_server, served_model, start_bench_server
+from dcpjax.bench.sweep import add_arguments as add_sweep_arguments
 from dcpjax.bench.throughput import add_arguments as add_throughput_arguments
 from dcpjax.engine_args import EngineArgs
-from dcpjax.serve.launch import ServerProcess, start_server
 
 # compare's engine defaults: a mesh where DCP 2 is valid for tiny-llama, room for prefill chunks
 COMPARE_DEFAULTS = {"tensor_parallel_size": 8, "decode_context_parallel_size": 2, "max_num_batched_tokens": 512}
@@ -53,7 +51,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of the three subcommands (engine flags from `EngineArgs`)."""
+    """The parser of the subcommands (engine flags from `EngineArgs`)."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     throughput = sub.add_parser("throughput", help="offline generation speed and where each step's time goes")
@@ -65,49 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="DCP 1 vs DCP k at the same TP, same workload")
     EngineArgs.add_cli_args(compare, defaults=COMPARE_DEFAULTS)
     _workload_args(compare)
+    sweep = sub.add_parser("sweep", help="staged DCP 1 vs DCP k over contexts and concurrencies: JSON, CSV, plots")
+    add_sweep_arguments(sweep, COMPARE_DEFAULTS)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, parsed."""
     return build_parser().parse_args(argv)
-
-
-def _served_model(base_url: str, headers: dict) -> dict:
-    """The server's (only) model from /v1/models: its "id" and "kv_cache_size_tokens"."""
-    request = urllib.request.Request(f"{base_url}/v1/models", headers=headers)
-    with urllib.request.urlopen(request, timeout=10) as response:
-        return json.loads(response.read())["data"][0]
-
-
-def _prompts(args, num: int, seed: int) -> list[str]:
-    if args.dataset == "prefix-repetition":
-        return make_prefix_repetition_prompts(num, args.prefix_len, args.suffix_len, args.num_prefixes, seed)
-    return make_prompts(num, args.input_len, seed)
-
-
-def _bench(base_url: str, model: str, args) -> dict:
-    warmups = args.max_concurrency if args.num_warmups is None else args.num_warmups
-    if warmups:  # other prompts (seed 1): they compile the shapes without warming the measured prefixes
-        asyncio.run(run_benchmark(
-            base_url, model, prompts=_prompts(args, warmups, seed=1), output_len=min(args.output_len, 4),
-            max_concurrency=args.max_concurrency, api_key=args.api_key, progress=False, seed=1,
-        ))
-    result = asyncio.run(run_benchmark(
-        base_url, model, prompts=_prompts(args, args.num_prompts, seed=0), output_len=args.output_len,
-        max_concurrency=args.max_concurrency, request_rate=args.request_rate, api_key=args.api_key,
-        progress=not args.no_progress,
-    ))
-    result["dataset"] = args.dataset
-    if args.dataset == "prefix-repetition":
-        result.update(prefix_len=args.prefix_len, suffix_len=args.suffix_len, num_prefixes=args.num_prefixes)
-    else:
-        result["input_len"] = args.input_len
-    return result
-
-
-def _start_server(engine_args: EngineArgs, api_key: str | None) -> ServerProcess:
-    return start_server(engine_args.to_cli_args() + (["--api-key", api_key] if api_key else []))
 
 
 def _row(name, get, runs, fmt="{:.1f}"):
@@ -141,18 +104,22 @@ def main(argv: list[str] | None = None) -> int:
         from dcpjax.bench import throughput
 
         return throughput.main(args)
+    if args.command == "sweep":
+        from dcpjax.bench import sweep
+
+        return sweep.main(args)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     if args.command == "serve":
-        result = _bench(args.base_url, args.model or _served_model(args.base_url, headers)["id"], args)
+        result = bench_server(args.base_url, args.model or served_model(args.base_url, headers)["id"], args)
         print(json.dumps(result, indent=1))
         results = {"server": result}
     else:
         results = {}
         engine_args = EngineArgs.from_cli_args(args)
         for dcp in (1, args.decode_context_parallel_size):
-            with _start_server(engine_args.with_dcp(dcp), args.api_key) as server:
-                model = _served_model(server.base_url, headers)
-                result = _bench(server.base_url, model["id"], args)
+            with start_bench_server(engine_args.with_dcp(dcp), args.api_key) as server:
+                model = served_model(server.base_url, headers)
+                result = bench_server(server.base_url, model["id"], args)
                 result["kv_cache_size_tokens"] = model.get("kv_cache_size_tokens")
                 results[f"TP {args.tensor_parallel_size} DCP {dcp}"] = result
         workload = (f"prefix {args.prefix_len} x {args.num_prefixes} + suffix {args.suffix_len}"
