@@ -10,6 +10,11 @@ Step N's decode rows take their input token from step N-1's samples on the devic
 so no token waits for a round trip. A stop seen one step late costs that sequence
 one wasted row, never an extra output token (see `OutputProcessor.process`).
 With `async_scheduling=False` each step is read right after it is dispatched.
+
+Speculative decoding (a `proposer`) runs synchronously: proposals need every token of a sequence
+on the host, so each step is read before the next is scheduled (as vLLM did when it added
+speculative decoding to its V1 engine). Decode rows get room for `num_speculative_tokens` drafts
+from the scheduler, drafts from the proposer, and are verified in the decode call.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dcpjax.outputs import RequestOutput
 from dcpjax.runner import StepResult
 from dcpjax.scheduler import Scheduler
 from dcpjax.sequence import Sequence
+from dcpjax.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["BlockPool", "Engine", "Sequence", "StepStats", "StepTimings"]
 
@@ -46,6 +52,7 @@ class StepTimings:
     schedule: float = 0.0
     prepare: float = 0.0  # pack the rows and transfer them (one array per model call)
     dispatch: float = 0.0  # enqueue the compiled step
+    propose: float = 0.0  # speculative drafts (n-gram lookup, or the draft model's steps)
     wait: float = 0.0
     process: float = 0.0  # detokenize, stop checks, logprobs
 
@@ -58,14 +65,17 @@ class Engine:
 
     def __init__(self, runner, tokenizer, eos_token_ids, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, async_scheduling: bool = True,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, proposer=None, num_speculative_tokens: int = 0):
         self.runner, self.tokenizer = runner, tokenizer
         self.scheduler = Scheduler(runner.kv_layout.num_blocks, block_size=block_size, dcp=runner.pc.dcp,
                                    max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                    max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching)
-        self.processor = OutputProcessor(tokenizer, eos_token_ids)
-        self.async_scheduling = async_scheduling
+                                   enable_prefix_caching=enable_prefix_caching,
+                                   num_lookahead_tokens=num_speculative_tokens if proposer else 0)
+        self.proposer = proposer
+        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if proposer else None
+        self.processor = OutputProcessor(tokenizer, eos_token_ids, self.spec_stats)
+        self.async_scheduling = async_scheduling and proposer is None
         self.in_flight: list[StepResult] = []  # dispatched, not yet read
         self.timings = StepTimings()
 
@@ -117,16 +127,21 @@ class Engine:
         scheduled = self.scheduler.schedule()
         now = time.perf_counter()
         t.schedule += now - start
-        dispatched = []
+        dispatched, tables = [], self.scheduler.block_tables
         for rows in scheduled.calls:
-            if rows:
-                before = now
-                prepared = self.runner.prepare(rows, self.scheduler.block_tables)
-                now = time.perf_counter()
-                t.prepare += now - before
-                dispatched.append(self.runner.launch(rows, *prepared))
+            if self.proposer is not None and rows is scheduled.decode:
+                self.proposer.propose(rows, tables)
                 before, now = now, time.perf_counter()
-                t.dispatch += now - before
+                t.propose += now - before
+            before = now
+            prepared = self.runner.prepare(rows, tables)
+            now = time.perf_counter()
+            t.prepare += now - before
+            dispatched.append(self.runner.launch(rows, *prepared))
+            if self.proposer is not None and rows is not scheduled.decode:
+                self.proposer.after_prefill(rows, tables)  # the draft model computes the same chunks
+            before, now = now, time.perf_counter()
+            t.dispatch += now - before
         t.steps += bool(dispatched)
         t.model_calls += len(dispatched)
         if not dispatched and not self.in_flight and self.scheduler.waiting and not self.scheduler.running:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ from dcpjax.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.llm import DTYPES, KV_CACHE_DTYPES, LLM
 from dcpjax.models.config import TINY_MODELS
+from dcpjax.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,14 @@ def _power_of_two(value: int) -> str | None:
 
 def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
+
+
+def _speculative_problem(value: dict) -> str | None:
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as error:
+        return str(error).removeprefix("speculative_config ")
+    return None
 
 
 def _arg(default: Any, help: str, *, kind: type = int, aliases: tuple[str, ...] = (),
@@ -60,7 +70,7 @@ def _problem(f: dataclasses.Field, value: Any) -> str | None:
     return check(value) if check is not None else None
 
 
-_METAVARS = {int: "N", float: "X"}
+_METAVARS = {int: "N", float: "X", dict: "JSON"}
 
 
 def _flag(name: str) -> str:
@@ -73,8 +83,12 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
 
     def parse(text: str) -> Any:
         try:
-            value = kind(text)
+            value = json.loads(text) if kind is dict else kind(text)
+            if kind is dict and not isinstance(value, dict):
+                raise ValueError
         except ValueError:
+            if kind is dict:
+                raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
             raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         problem = None if f.metadata["choices"] else _problem(f, value)
         if problem:
@@ -117,6 +131,10 @@ class EngineArgs:
     async_scheduling: bool = _arg(True, "keep the host one step ahead of the device", kind=bool)
     enable_prefix_caching: bool = _arg(True, "reuse the KV of prompt prefixes computed before, in blocks of "
                                        "block_size x DCP tokens (automatic prefix caching)", kind=bool)
+    speculative_config: dict | None = _arg(  # noqa: RUF009 (a dataclasses.field whose default is None)
+        None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", \"model\": \"tiny-llama\", "
+        "\"num_speculative_tokens\": 4}'", kind=dict, check=_speculative_problem, default_help="off")
     seed: int = _arg(0, "seed of random weights and of unseeded sampling")
     orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
                                         "LLM.save_checkpoint, on any mesh)", kind=str)
@@ -174,7 +192,7 @@ class EngineArgs:
             if f.metadata["kind"] is bool:
                 argv.append(_flag(f.name) if value else "--no-" + _flag(f.name)[2:])
             else:
-                argv += [_flag(f.name), str(value)]
+                argv += [_flag(f.name), json.dumps(value) if isinstance(value, dict) else str(value)]
         return argv
 
     # -- the engine ----------------------------------------------------------------------------

@@ -23,6 +23,9 @@ from dcpjax.runner import ModelRunner, build_model, kv_cache_layout
 from dcpjax.sampling import SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
+from dcpjax.spec_decode.config import SpeculativeConfig
+from dcpjax.spec_decode.draft_model import DraftModel
+from dcpjax.spec_decode.ngram import NgramProposer
 from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
 from dcpjax.weights import SafetensorsSource, ignored_checkpoint_tensor, load_state, model_rules, random_checkpoint
 
@@ -124,6 +127,10 @@ class LLM:
         on any mesh) instead of `model`'s safetensors or random weights.
       enable_prefix_caching: reuse the KV of prompt prefixes computed before (vLLM's automatic
         prefix caching), in whole virtual blocks of block_size * DCP tokens; on by default.
+      speculative_config: speculative decoding (vLLM's dict): {"method": "ngram",
+        "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 1} or
+        {"method": "draft_model", "model": NAME_OR_FOLDER, "num_speculative_tokens": k}. Outputs are
+        those of plain decoding (see `dcpjax.spec_decode.verify`); steps then run synchronously.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
     """
 
@@ -147,6 +154,7 @@ class LLM:
         async_scheduling: bool = True,
         orbax_checkpoint: str | None = None,
         enable_prefix_caching: bool = True,
+        speculative_config: dict | SpeculativeConfig | None = None,
         devices: Seq[jax.Device] | None = None,
     ):
         self.parallel_config = pc = ParallelConfig(
@@ -162,25 +170,56 @@ class LLM:
         cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
         self.model_config, self.tokenizer, weights = _model_source(model, pc, seed)
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
-        graphdef, state = self._load_weights(weights, orbax_checkpoint)
+        self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            spec.check_draft_tp(pc.tp)
+            draft = self._load_draft(spec.model, seed)
+        graphdef, state = self._load_weights(self.model_config, weights, orbax_checkpoint)
         kv = self._size_kv_cache(block_size, cache_dtype,
-                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh))
+                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh),
+                                 draft)
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
                                   max_num_seqs)
+        proposer = None
+        if spec is not None:
+            proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+                        if draft is None else draft.proposer(spec.num_speculative_tokens, pc, self.mesh, kv,
+                                                             attention_backend, max_num_seqs))
+            logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method,
+                        spec.num_speculative_tokens)
         self.engine = Engine(
             self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
-            enable_prefix_caching=enable_prefix_caching,
+            enable_prefix_caching=enable_prefix_caching, proposer=proposer,
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         logger.info("prefix caching: %s", f"on, in blocks of {block_size * pc.dcp} tokens ({block_size} x DCP "
                     f"{pc.dcp}), up to {kv.num_blocks} cached blocks" if enable_prefix_caching else "off")
         self.seed = seed
         self._request_ids = itertools.count()
 
-    def _load_weights(self, weights: Callable[[], object], orbax_checkpoint: str | None):
-        """The model's graph and its sharded state: from the orbax checkpoint, else from `weights()`."""
-        cfg, pc = self.model_config, self.parallel_config
+    def _load_draft(self, model: str, seed: int) -> DraftModel:
+        """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
+        cfg, _, weights = _model_source(model, self.parallel_config, seed)
+        target = self.model_config
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_config model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the "
+                             f"target {target.vocab_size}: a draft model must share the target's tokenizer")
+        if cfg.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config model {model!r} handles {cfg.max_position_embeddings} positions, "
+                             f"fewer than max_model_len={self.max_model_len}; lower max_model_len")
+        cfg.check_max_model_len(self.max_model_len)
+        try:
+            graphdef, state = self._load_weights(cfg, weights, None)
+        except ValueError as error:
+            raise ValueError(f"speculative_config model {model!r}: {error}") from error
+        return DraftModel(cfg, graphdef, state)
+
+    def _load_weights(self, cfg: ModelConfig, weights: Callable[[], object], orbax_checkpoint: str | None):
+        """A model's graph and its sharded state: from the orbax checkpoint, else from `weights()`."""
+        pc = self.parallel_config
         graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
         if orbax_checkpoint is not None:
             state = restore_state(state, cfg, pc, self.mesh, orbax_checkpoint)
@@ -189,10 +228,13 @@ class LLM:
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         return graphdef, state
 
-    def _size_kv_cache(self, block_size: int, cache_dtype, bytes_per_device: int):
-        """The KV cache layout for `bytes_per_device`; logs its size, checks that max_model_len fits."""
+    def _size_kv_cache(self, block_size: int, cache_dtype, bytes_per_device: int, draft=None):
+        """The KV cache layout for `bytes_per_device`; logs its size, checks that max_model_len fits.
+        With a draft model, the bytes are shared so that both caches hold the same number of blocks
+        (the draft's cache uses the target's block tables)."""
         cfg, pc = self.model_config, self.parallel_config
-        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device)
+        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device,
+                             extra_bytes_per_block=draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0)
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
         per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
         platform = self.mesh.devices.flat[0].platform

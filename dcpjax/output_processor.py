@@ -5,6 +5,11 @@ list, text grows through an incremental decoder, and stop strings are searched o
 in the new tail (plus the longest stop string's length - 1 characters before it).
 A row whose sequence already finished (a stop seen one step late under asynchronous
 scheduling, or an abort) is dropped, so no token leaks past a stop.
+
+A verify row (speculative decoding) appends its accepted drafts and the token after them one by
+one, stopping at the first stop condition, and rolls the sequence's computed length back to the
+positions whose KV holds accepted tokens (the rejected drafts' KV is overwritten before any query
+can reach it: a query attends only up to its own position).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import numpy as np
 from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
 from dcpjax.runner import StepResult
 from dcpjax.sequence import Sequence
+from dcpjax.spec_decode.stats import SpecDecodeStats
 from dcpjax.tokenizer import decode_stream
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: Iterable[int]):
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int], spec_stats: SpecDecodeStats | None = None):
         self.tokenizer, self.eos = tokenizer, frozenset(eos_token_ids)
+        self.spec_stats = spec_stats
 
     def process(self, result: StepResult, finish: Callable[[Sequence], None]) -> list[Sequence]:
         """Apply one step's samples; `finish(seq)` for each sequence that ends. Returns those."""
@@ -36,18 +43,37 @@ class OutputProcessor:
             seq.num_pending -= 1
             if seq.finished:
                 continue  # stopped (or aborted) after this step was scheduled: drop its token
-            self.append(seq, int(values["tokens"][i]), values, i)
+            if result.verify:
+                self._accept(row, values, i)
+            else:
+                self.append(seq, int(values["tokens"][i]), values, (i,))
             if seq.finished:
                 finish(seq)
                 finished.append(seq)
         return finished
 
-    def append(self, seq: Sequence, token: int, values: dict[str, np.ndarray] | None = None, row: int = 0) -> None:
-        """Add one sampled token to `seq`: logprobs, text, stop checks."""
+    def _accept(self, row, values: dict[str, np.ndarray], i: int) -> None:
+        """A verify row: the drafts equal to the target's samples, then the next sample."""
+        seq, samples, drafts = row.seq, values["tokens"][i], row.drafts
+        accepted = 0
+        while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
+            accepted += 1
+        if self.spec_stats is not None:
+            self.spec_stats.record(len(drafts), accepted)
+        for j in range(accepted + 1):
+            self.append(seq, int(samples[j]), values, (i, j))
+            if seq.finished:
+                break  # nothing past a stop
+        seq.num_computed = min(row.start + accepted + 1, seq.length)  # KV of accepted tokens only
+        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
+
+    def append(self, seq: Sequence, token: int, values: dict[str, np.ndarray] | None = None,
+               at: tuple = (0,)) -> None:
+        """Add one sampled token to `seq`: logprobs (from `values` at index `at`), text, stop checks."""
         seq.token_ids.append(token)
         params = seq.params
         if params.logprobs is not None and values is not None and "logprobs" in values:
-            entry = self._entry(token, values, (row,), params.logprobs)
+            entry = self._entry(token, values, at, params.logprobs)
             seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + entry[token].logprob
             seq.logprobs.append(entry)
         self._check_stop(seq, token)

@@ -34,6 +34,7 @@ from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config, token_logprobs
 from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, kv_head_slots, logical_spec
+from dcpjax.spec_decode.verify import verify_drafts
 
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
@@ -107,10 +108,11 @@ class StepResult:
     """A dispatched step: its rows, and its sampled output still on (or coming from) the device."""
 
     rows: list[ScheduledRow]
-    output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs
+    output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs ([B, T, ...] if verify)
     config: SamplerConfig
     prompt_output: jax.Array | None = None  # [B, T, 2 + 2 * prompt_top] float32: prompt logprobs
     prompt_top: int | None = None
+    verify: bool = False  # output has a chunk axis: [B, T(, ...)], the samples at every position
 
     def fetch(self) -> dict[str, np.ndarray]:
         """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids,
@@ -190,7 +192,7 @@ class ModelRunner:
         models = {False: self._model(), True: self._model(all_positions=True)}
 
         def step(param_leaves, kv_caches, slot_tokens, packed, chunk: int, config: SamplerConfig,
-                 prompt_top: int | None):
+                 prompt_top: int | None, verify: bool):
             state = jax.tree.unflatten(param_tree, param_leaves)
             width = packed.shape[1] - chunk - NUM_META
             meta = packed[:, chunk + width :]
@@ -206,7 +208,7 @@ class ModelRunner:
                 last_index=jnp.maximum(column(COUNT) - 1, 0),
                 block_tables=packed[:, chunk : chunk + width],
             )
-            logits, kv_caches = models[prompt_top is not None](state, kv_caches, batch)
+            logits, kv_caches = models[prompt_top is not None or verify](state, kv_caches, batch)
             prompt_out = None
             if prompt_top is not None:  # [B, T, vocab]: each position's logprob of the next prompt token
                 targets = jnp.where(offsets < column(COUNT)[:, None] - 1,
@@ -215,25 +217,30 @@ class ModelRunner:
                 logits = jnp.take_along_axis(logits, batch.last_index[:, None, None], axis=1)[:, 0]
             rows = SamplingRows(as_float(TEMPERATURE), column(TOP_K), as_float(TOP_P), as_float(MIN_P),
                                 jax.lax.bitcast_convert_type(column(SEED), jnp.uint32), column(COUNTER))
-            sampled = sample(logits, rows, config)
+            if verify:  # [B, T] samples: position j draws output token COUNTER + j (see spec_decode.verify)
+                sampled, last = verify_drafts(logits, batch.tokens, column(COUNT), rows, config)
+            else:
+                sampled = sample(logits, rows, config)
+                last = sampled.tokens
             target = jnp.where(column(SAMPLES) > 0, slot, num_slots)  # out of range: dropped
-            slot_tokens = slot_tokens.at[target].set(sampled.tokens, mode="drop")
+            slot_tokens = slot_tokens.at[target].set(last, mode="drop")
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
             if config.num_top is None:
                 return sampled.tokens, prompt_out, kv_caches, slot_tokens
-            out = jnp.concatenate([_as_bits(sampled.tokens)[:, None], _pack_logprobs(sampled[1:])], axis=1)
+            out = jnp.concatenate([_as_bits(sampled.tokens)[..., None], _pack_logprobs(sampled[1:])], axis=-1)
             return out, prompt_out, kv_caches, slot_tokens
 
-        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top"), donate_argnums=(1, 2))
+        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top", "verify"), donate_argnums=(1, 2))
 
     # -- one step ------------------------------------------------------------------------------
-    def prepare(self, rows: Seq[ScheduledRow],
-                block_tables: np.ndarray) -> tuple[np.ndarray, int, SamplerConfig, int | None]:
+    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray,
+                greedy: bool = False) -> tuple[np.ndarray, int, SamplerConfig, int | None, bool]:
         """Pack a step's rows into one int32 array on the mesh (one transfer).
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
+        greedy: sample every row greedily and skip logprobs (a draft model's proposals).
         Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config, top prompt
-        logprobs to return: None unless a row wants prompt logprobs).
+        logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
         """
         batch, chunk = pow2_at_least(len(rows)), pow2_at_least(max(r.count for r in rows))
         width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
@@ -254,25 +261,30 @@ class ModelRunner:
         prompt_tops = []
         for i, row in enumerate(rows):
             if not row.device_input:  # prefill chunks, and a first token after a preemption
-                packed[i, : row.count] = row.seq.token_ids[row.start : row.start + row.count]
-            if row.wants_prompt_logprobs:
+                packed[i, : row.count] = row.input_ids
+            if row.wants_prompt_logprobs and not greedy:
                 prompt_tops.append(row.seq.params.prompt_logprobs)
                 end = row.start + row.count
                 meta[i, NEXT] = row.seq.token_ids[end] if end < row.seq.num_prompt_tokens else -1
-        config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
+        if greedy:
+            meta[:n, TEMPERATURE] = 0
+            config = SamplerConfig()
+        else:
+            config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
         prompt_top = pow2_at_least(max(max(prompt_tops), 1)) if prompt_tops else None
-        return packed, chunk, config, prompt_top  # numpy: the jitted step transfers it (one copy, C++ path)
+        verify = any(r.drafts for r in rows)
+        return packed, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
 
     def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,
-               prompt_top: int | None = None) -> StepResult:
+               prompt_top: int | None = None, verify: bool = False) -> StepResult:
         """Dispatch the step (returns at once; the device runs it) and start copying its output home."""
         output, prompt_output, self.kv_caches, self.slot_tokens = self._step(
             self._param_leaves, self.kv_caches, self.slot_tokens, packed, chunk=chunk, config=config,
-            prompt_top=prompt_top)
+            prompt_top=prompt_top, verify=verify)
         output.copy_to_host_async()
         if prompt_output is not None:
             prompt_output.copy_to_host_async()
-        return StepResult(rows, output, config, prompt_output, prompt_top)
+        return StepResult(rows, output, config, prompt_output, prompt_top, verify)
 
     @property
     def compiled_step_count(self) -> int:
@@ -280,15 +292,21 @@ class ModelRunner:
         return self._step._cache_size()
 
 
-def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,
-                    dtype) -> KVCacheLayout:
-    """Blocks that fit `bytes_per_device` of KV on each device."""
+def kv_block_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, dtype) -> KVCacheLayout:
+    """The shape of one model's KV blocks (num_blocks still 0)."""
     if cfg.use_mla:  # one latent per token: the compressed KV and the shared rotary key
         slots, dims = kv_head_slots(1, pc), (cfg.latent_dim,)
     else:
         slots, dims = kv_head_slots(cfg.num_key_value_heads, pc), (cfg.head_dim, cfg.head_dim)
-    layout = KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype))
-    per_block = layout.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
+    return KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype))
+
+
+def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,
+                    dtype, extra_bytes_per_block: int = 0) -> KVCacheLayout:
+    """Blocks that fit `bytes_per_device` of KV on each device (`extra_bytes_per_block`: what
+    another cache with the same block ids, a draft model's, takes per block)."""
+    layout = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype)
+    per_block = layout.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups) + extra_bytes_per_block
     layout.num_blocks = int(bytes_per_device // per_block)
     if layout.num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={bytes_per_device} holds no block ({per_block} bytes per block "

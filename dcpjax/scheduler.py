@@ -21,6 +21,12 @@ token when the next step is scheduled. Such a sequence (`num_pending` 1) decodes
 token straight from the device (`ScheduledRow.device_input`); a sequence whose pending
 token will reach `max_total` is not scheduled again, and one that is found finished a
 step late has its extra row's result dropped by the output processor.
+
+Speculative decoding (`num_lookahead_tokens` k, vLLM's lookahead slots): a decode row gets
+blocks and token budget for k drafts beyond its input (never past `max_total`), as
+`ScheduledRow.lookahead`; the proposer then fills `drafts`, which advance `num_computed`
+until the output processor rolls it back to the accepted tokens. Full blocks are registered
+in the prefix cache from `min(num_computed, length)`, so a rejected draft never is.
 """
 
 from __future__ import annotations
@@ -68,8 +74,9 @@ class Scheduler:
     """
 
     def __init__(self, num_blocks: int, *, block_size: int, dcp: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool = True):
+                 max_num_batched_tokens: int, enable_prefix_caching: bool = True, num_lookahead_tokens: int = 0):
         self.block_size, self.dcp = block_size, dcp
+        self.num_lookahead_tokens = num_lookahead_tokens  # room for speculative drafts on decode rows
         self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
         self.blocks_per_seq = layout.blocks_needed(max_model_len, block_size, dcp)
         self.virtual_block_size = layout.virtual_block_size(block_size, dcp)
@@ -184,6 +191,15 @@ class Scheduler:
             self._cache_full_blocks(seq)
         return row
 
+    def _lookahead(self, seq: Sequence, want: int, budget: int) -> int:
+        """Drafts a decode row may verify: blocks and token budget are reserved for them (vLLM's
+        lookahead slots), never past the sequence's last token."""
+        if not self.num_lookahead_tokens or want != 1 or seq.num_pending or seq.needs_prompt_logprobs:
+            return 0
+        if seq.num_tokens - seq.num_computed != 1:
+            return 0
+        return max(0, min(self.num_lookahead_tokens, seq.max_total - seq.num_tokens - 1, budget - 1))
+
     def _budget_for(self, seq: Sequence, budget: int) -> int:
         """Tokens `seq` may compute this step: prompt-logprobs chunks also share a smaller budget."""
         if seq.needs_prompt_logprobs and seq.num_computed < seq.num_prompt_tokens - 1:
@@ -205,7 +221,8 @@ class Scheduler:
             if want <= 0:
                 index += 1
                 continue
-            while not self._grow(seq, seq.num_computed + want):
+            lookahead = self._lookahead(seq, want, budget)
+            while not self._grow(seq, seq.num_computed + want + lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted += 1
@@ -214,7 +231,8 @@ class Scheduler:
             if seq.slot is None:  # preempted itself: everything after it went first
                 break
             rows.append(self._row(seq, want))
-            budget -= want
+            rows[-1].lookahead = lookahead
+            budget -= want + lookahead
             index += 1
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]

@@ -41,6 +41,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_hashed_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
     prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
+    draft_computed: int = 0  # tokens whose KV the draft model's cache holds (speculative decoding)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
 
@@ -91,6 +92,18 @@ class ScheduledRow:
     count: int
     samples: bool  # the chunk reaches the last known token: sample the next one
     device_input: bool  # the one input token is the previous step's sample, still on the device
+    # speculative decoding: a decode row may verify up to `lookahead` drafts (room reserved by the
+    # scheduler); `drafts` are the proposed tokens after the input, so count = 1 + len(drafts)
+    lookahead: int = 0
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    draft_extent: int = 0  # tokens of this sequence the draft model's cache holds after proposing
+
+    def set_drafts(self, drafts: list[int]) -> None:
+        """Verify `drafts` too: the row covers positions start .. start + len(drafts)."""
+        drafts = drafts[: self.lookahead]
+        self.seq.num_computed += len(drafts) - len(self.drafts)
+        self.count += len(drafts) - len(self.drafts)
+        self.drafts = drafts
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -99,5 +112,12 @@ class ScheduledRow:
 
     @property
     def is_decode(self) -> bool:
-        """One token that samples: runs in the step's decode call, after its prefill call."""
-        return self.count == 1 and self.samples
+        """One token that samples (and its drafts, if any): runs in the step's decode call, after its
+        prefill call."""
+        return self.count == 1 + len(self.drafts) and self.samples
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The chunk's tokens as the host knows them (a device input's first is a placeholder)."""
+        known = self.seq.token_ids[self.start : self.start + self.count - len(self.drafts)]
+        return known + self.drafts

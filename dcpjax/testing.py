@@ -38,3 +38,13 @@ def assert_close_to_oracle(out, lse, want_out, want_lse, atol: float, rtol: floa
     empty = np.isneginf(want_lse)
     np.testing.assert_array_equal(np.isneginf(lse), empty)
     np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=atol, rtol=rtol)
+
+
+def assert_same_generations(got, want, logprob_tol: float = 1e-4) -> None:
+    """Two runs' `RequestOutput`s: identical tokens, and each token's logprobs (the returned top
+    ones included) within `logprob_tol` (runs that split the work differently sum in another order)."""
+    for a, b in zip(got, want, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (a.request_id, b.request_id)
+        for x, y in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or [], strict=True):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) <= logprob_tol

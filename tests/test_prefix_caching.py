@@ -6,6 +6,7 @@ import pytest
 
 from dcpjax import LLM, SamplingParams
 from dcpjax.block_pool import BlockPool
+from dcpjax.testing import assert_same_generations
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 
@@ -99,14 +100,6 @@ def _common_blocks(a, b, unit):
     return same // unit * unit
 
 
-def _assert_same(cached, uncached):
-    for got, want in zip(cached, uncached):
-        assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
-            assert {t: lp.logprob for t, lp in a.items()} == pytest.approx({t: lp.logprob for t, lp in b.items()},
-                                                                            abs=1e-4)
-
-
 @pytest.mark.parametrize("model, tp, dcp, interleave, comm, kv_dtype", [
     ("tiny-llama", 1, 1, 1, "ag_rs", "auto"),
     ("tiny-llama", 4, 2, 2, "a2a", "auto"),
@@ -131,7 +124,7 @@ def test_cached_equals_uncached(model, tp, dcp, interleave, comm, kv_dtype):
         snapshot["kv"] = _pool_blocks(llm, snapshot["blocks"])
 
     cached = _run_rounds(llm, unit, after_first)
-    _assert_same(cached, uncached)
+    assert_same_generations(cached, uncached)
     # each reuses the whole blocks it shares with the first request's computed tokens (the follow-up
     # its answer too, all but the last token), leaving at least its own last token to compute
     first = cached[0].prompt_token_ids + cached[0].outputs[0].token_ids[:-1]

@@ -14,6 +14,12 @@ Reports output tokens/s, requests/s and a per-step breakdown of host work:
 Device time per step comes from a synchronous pass of the same workload (each step read
 as soon as it is dispatched: dispatch + wait is the device's step); the asynchronous
 run's wall time minus it is host time the device did not hide (device idle).
+With --speculative-config, the same workload also runs on an engine without speculation in the
+same process, and the speed-up, the mean acceptance length (1 + accepted drafts per verify row,
+vLLM's definition), the acceptance rate and the accepted drafts per position are printed.
+`--dataset repeat` makes prompts whose continuation repeats them (a segment of 8-64 distinct tokens,
+repeated): with a model that continues repetitions (benchmarks/make_copy_llama.py trains one),
+prompt lookup (ngram) proposes the right tokens.
 With --compare-transformers, Hugging Face transformers' `generate` runs the same
 folder and prompts in the same process (greedy, `min_new_tokens` = `max_new_tokens`,
 the equivalent of ignore_eos) and the ratio is printed; it needs `pip install -e ".[bench]"`.
@@ -33,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dataset", choices=("random", "repeat"), default="random",
+                   help="random token prompts, or a random segment of 8-64 tokens repeated to --input-len")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time Hugging Face transformers' generate on the same folder and prompts")
@@ -57,12 +65,29 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(low, vocab, length).tolist() for _ in range(num)]
 
 
+def _repeat_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """A segment of distinct ids >= 3 (a period of 8-64 tokens) repeated to `length` tokens, per
+    prompt: the workload benchmarks/make_copy_llama.py trains its model on."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    low = min(3, vocab - 1)
+    prompts = []
+    for _ in range(num):
+        period = min(int(rng.integers(8, 65)), vocab - low)
+        segment = rng.choice(np.arange(low, vocab), period, replace=False)  # distinct: one successor each
+        prompts.append(np.resize(segment, length).tolist())
+    return prompts
+
+
 def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
     from dcpjax.engine import StepTimings
 
     engine = llm.engine
-    engine.async_scheduling = async_scheduling
+    engine.async_scheduling = async_scheduling and engine.proposer is None  # speculation runs synchronously
     engine.timings = StepTimings()
+    if engine.spec_stats is not None:
+        engine.spec_stats.reset()
     llm.reset_prefix_cache()  # every pass computes every prompt: the warm-up's prefixes are no head start
     compiled = llm.runner.compiled_step_count
     start = time.perf_counter()
@@ -70,7 +95,8 @@ def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(seconds=seconds, output_tokens=tokens, timings=engine.timings.as_dict(),
-                recompilations=llm.runner.compiled_step_count - compiled, outputs=outputs)
+                recompilations=llm.runner.compiled_step_count - compiled, outputs=outputs,
+                spec_decode=engine.spec_stats.as_dict() if engine.spec_stats is not None else None)
 
 
 def _sampling_ms(vocab: int, batch: int) -> float:
@@ -109,6 +135,19 @@ def _transformers_generate(folder: str, prompts: list[list[int]], output_len: in
                 version=transformers.__version__, torch=torch.__version__)
 
 
+def _without_speculation(engine: EngineArgs, prompts, params, spec_outputs) -> dict:
+    """The same workload on the same engine without speculation (its own scheduling mode)."""
+    import dataclasses
+
+    llm = dataclasses.replace(engine, speculative_config=None).create_llm()
+    mode = llm.engine.async_scheduling
+    _timed_generate(llm, prompts, params, mode)  # warm-up
+    run = _timed_generate(llm, prompts, params, mode)
+    same = [o.outputs[0].token_ids for o in run["outputs"]] == [o.outputs[0].token_ids for o in spec_outputs]
+    return dict(output_throughput=run["output_tokens"] / run["seconds"], elapsed_s=run["seconds"],
+                async_scheduling=mode, steps=run["timings"]["steps"], identical_tokens=same)
+
+
 def run(args: argparse.Namespace) -> dict:
     """The benchmark: warm-up, timed run, synchronous pass (breakdown), transformers (optional)."""
     from dcpjax.models.config import TINY_MODELS
@@ -125,20 +164,25 @@ def run(args: argparse.Namespace) -> dict:
     llm = engine.create_llm()
     max_num_seqs = engine.max_num_seqs
     vocab = llm.model_config.vocab_size
-    prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    make_prompts = _repeat_prompts if args.dataset == "repeat" else _prompts
+    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
     params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    mode = engine.async_scheduling
+    mode = llm.engine.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
     main = _timed_generate(llm, prompts, params, mode)
     result = dict(
         model=args.model, devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}", jax=jax.__version__,
         tp=args.tensor_parallel_size, dcp=args.decode_context_parallel_size, num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, async_scheduling=mode,
+        input_len=args.input_len, output_len=args.output_len, async_scheduling=mode, dataset=args.dataset,
         elapsed_s=main["seconds"], output_tokens=main["output_tokens"],
         output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
         sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
     )
+    if main["spec_decode"] is not None:
+        result.update(speculative_config=engine.speculative_config, spec_decode=main["spec_decode"],
+                      without_speculation=_without_speculation(engine, prompts, params, main["outputs"]))
+        result["speedup_vs_no_spec"] = result["output_throughput"] / result["without_speculation"]["output_throughput"]
     if not args.no_breakdown:
         sync = _timed_generate(llm, prompts, params, False)
         device_s = sync["timings"]["dispatch"] + sync["timings"]["wait"]
@@ -168,11 +212,11 @@ def report(r: dict) -> str:
          f"elapsed {r['elapsed_s']:.2f} s, {t['steps']} steps ({t['model_calls']} model calls), "
          f"recompilations while timed: {r['recompilations']}"),
         "",
-        "| per step (ms) | schedule | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-        (f"| mean | {per_step('schedule'):.3f} | {per_step('prepare'):.3f} | {per_step('dispatch'):.3f} | "
-         f"{per_step('wait'):.3f} | {per_step('process'):.3f} | "
-         f"{per_step('schedule') + per_step('prepare') + per_step('dispatch') + per_step('process'):.3f} |"),
+        "| per step (ms) | schedule | propose (drafts) | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        (f"| mean | {per_step('schedule'):.3f} | {per_step('propose'):.3f} | {per_step('prepare'):.3f} | "
+         f"{per_step('dispatch'):.3f} | {per_step('wait'):.3f} | {per_step('process'):.3f} | "
+         f"{sum(per_step(k) for k in ('schedule', 'propose', 'prepare', 'dispatch', 'process')):.3f} |"),
         "",
         f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
     ]
@@ -181,6 +225,14 @@ def report(r: dict) -> str:
             f"device step (synchronous pass): {1e3 * r['device_s'] / steps:.3f} ms; device idle (host time not hidden) "
             f"{100 * r['device_idle']:.1f}% of the async run; sync loop {r['sync_output_throughput']:,.0f} tokens/s; "
             f"async == sync tokens: {r['identical_to_sync']}")
+    if "spec_decode" in r:
+        sd, base = r["spec_decode"], r["without_speculation"]
+        lines.append(
+            f"speculative decoding {json.dumps(r['speculative_config'])}: mean acceptance length "
+            f"{sd['mean_acceptance_length']:.2f}, acceptance rate {100 * sd['acceptance_rate']:.1f}%, accepted per "
+            f"position {sd['accepted_per_position']} of {sd['num_drafts']} drafts; without speculation "
+            f"({'async' if base['async_scheduling'] else 'sync'}): {base['output_throughput']:,.0f} tokens/s in "
+            f"{base['steps']} steps; speed-up {r['speedup_vs_no_spec']:.2f}x; identical tokens: {base['identical_tokens']}")
     if "transformers" in r:
         hf = r["transformers"]
         lines.append(f"transformers {hf['version']} (torch {hf['torch']}) generate: {hf['output_throughput']:,.0f} "

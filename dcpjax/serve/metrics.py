@@ -34,6 +34,15 @@ class Metrics:
         self.cached_blocks = gauge("prefix_cache_blocks", "KV blocks (block_size x DCP tokens each) holding a "
                                    "cached prefix, in use or evictable.")
         self._counted = (0, 0)  # prefix cache queries and hits already added to the counters
+        # speculative decoding (vLLM's names; exposed with _total)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verify rows that carried drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self._spec_per_position = Counter("dcpjax:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                                          "at each position of the drafts (0 = first).", [*labels, "position"],
+                                          registry=self.registry)
+        self._labels = labels
+        self._spec_counted: dict[str, int] = {}
 
     def update(self, engine) -> None:
         self.kv_cache_usage.set(engine.kv_usage)
@@ -44,3 +53,15 @@ class Metrics:
         self.prefix_cache_hits.inc(stats.hits - self._counted[1])
         self._counted = (stats.queries, stats.hits)
         self.cached_blocks.set(engine.num_cached_blocks)
+        spec = engine.spec_stats
+        if spec is not None:
+            counts = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
+                      "accepted_tokens": spec.num_accepted_tokens}
+            counts |= {f"position {j}": n for j, n in enumerate(spec.accepted_per_position)}
+            for name, value in counts.items():
+                delta = value - self._spec_counted.get(name, 0)
+                if name.startswith("position"):
+                    self._spec_per_position.labels(**self._labels, position=name.split()[1]).inc(delta)
+                else:
+                    getattr(self, f"spec_{name}").inc(delta)
+                self._spec_counted[name] = value

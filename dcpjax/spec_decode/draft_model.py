@@ -1,0 +1,106 @@
+"""The draft-model proposer: a smaller model on the same mesh proposes k tokens greedily.
+
+The draft has its own paged DCP cache with the same number of blocks as the target's, addressed
+by the target's block tables: a sequence's blocks hold its target KV in the target's pools and its
+draft KV in the draft's, so preemption, prefix caching and freeing need no second bookkeeping.
+`Sequence.draft_computed` counts the tokens whose draft KV is written.
+
+Per step:
+  - every prefill chunk the target computes, the draft computes too (`after_prefill`); a prefix
+    taken from the prefix cache has its draft KV in the same blocks, written by the sequence that
+    computed them;
+  - for the decode rows (`propose`): one draft call catches each sequence up (its last accepted
+    tokens, usually one or two) and samples d1, then k - 1 single-token calls sample d2 .. dk, each
+    reading its input from the previous call's samples on the device; the host reads the k calls'
+    tokens once, at the end.
+After verification the draft's count rolls back with the target's (`OutputProcessor._accept`):
+the KV of rejected drafts is rewritten before the draft reads that position again.
+
+Drafts are greedy (a point mass), which keeps verification exact for any sampling parameters (see
+`verify`); a sampled draft would accept more often at high temperature, at the price of keeping
+the draft's probabilities.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from flax import nnx
+
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import ModelConfig
+from dcpjax.runner import KVCacheLayout, ModelRunner, kv_block_layout
+from dcpjax.sequence import ScheduledRow
+
+
+@dataclasses.dataclass
+class DraftModel:
+    """A loaded draft model: its config, graph and sharded parameters."""
+
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    state: nnx.State
+
+    def bytes_per_block(self, pc: ParallelConfig, block_size: int, dtype) -> int:
+        """Its KV bytes per block and device (the cache is sized for both models together)."""
+        layout = kv_block_layout(self.cfg, pc, block_size=block_size, dtype=dtype)
+        return layout.bytes_per_block_per_device(self.cfg.num_hidden_layers, pc.kv_head_groups)
+
+    def proposer(self, num_speculative_tokens: int, pc: ParallelConfig, mesh, target_kv: KVCacheLayout,
+                 attention_backend: str, max_num_seqs: int) -> DraftModelProposer:
+        """A proposer whose cache has the target's block count and block size, on the target's mesh."""
+        layout = kv_block_layout(self.cfg, pc, block_size=target_kv.block_size, dtype=target_kv.dtype)
+        layout.num_blocks = target_kv.num_blocks
+        runner = ModelRunner(self.cfg, pc, mesh, self.graphdef, self.state, layout, attention_backend, max_num_seqs)
+        return DraftModelProposer(runner, num_speculative_tokens)
+
+
+class DraftModelProposer:
+    """Greedy drafts from a draft model's runner (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
+        self.runner, self.k = runner, num_speculative_tokens
+
+    def _launch(self, rows: list[ScheduledRow], block_tables: np.ndarray):
+        return self.runner.launch(rows, *self.runner.prepare(rows, block_tables, greedy=True))
+
+    def after_prefill(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
+        """Compute the target's prefill chunks in the draft's cache too (nothing sampled)."""
+        mirrored = []
+        for row in rows:
+            # tokens before the chunk: mirrored earlier, or a cached prefix whose blocks hold draft KV
+            row.seq.draft_computed = row.start + row.count
+            mirrored.append(ScheduledRow(row.seq, row.start, row.count, samples=False, device_input=False))
+        self._launch(mirrored, block_tables)
+
+    def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
+        """Set each decode row's `drafts` (at most its `lookahead`): k greedy draft calls, one read."""
+        active = [row for row in rows if row.lookahead > 0]
+        if not active:
+            return
+        calls = []
+        # call 1: each sequence's tokens the draft has not computed yet (its newest at least) -> d1
+        first = []
+        for row in active:
+            seq = row.seq
+            start = min(seq.draft_computed, row.start)
+            first.append(ScheduledRow(seq, start, seq.length - start, samples=True, device_input=False))
+        calls.append((active, self._launch(first, block_tables)))
+        # call j: d(j-1), from the previous call's samples on the device, at position length + j - 2 -> dj
+        for j in range(2, self.k + 1):
+            going = [row for row in active if row.lookahead >= j]
+            if not going:
+                break
+            steps = [ScheduledRow(row.seq, row.seq.length + j - 2, 1, samples=True, device_input=True)
+                     for row in going]
+            calls.append((going, self._launch(steps, block_tables)))
+        drafts = {id(row): [] for row in active}
+        for going, result in calls:
+            tokens = result.fetch()["tokens"]
+            for i, row in enumerate(going):
+                drafts[id(row)].append(int(tokens[i]))
+        for row in active:
+            row.set_drafts(drafts[id(row)])
+            # written: every token before the last draft (the last one is never fed to the draft)
+            row.seq.draft_computed = row.seq.length + len(row.drafts) - 1
