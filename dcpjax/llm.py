@@ -183,6 +183,7 @@ class LLM:
                                   max_num_seqs)
         proposer = None
         if spec is not None:
+            self.runner.verify_chunk = 1 + spec.num_speculative_tokens
             proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
                         if draft is None else draft.proposer(spec.num_speculative_tokens, pc, self.mesh, kv,
                                                              attention_backend, max_num_seqs))

@@ -9,8 +9,8 @@ never has to see a token before the device uses it (asynchronous scheduling).
 
 Compile keys: rows B, chunk T and block-table width P (each bucketed to a power of
 two, P to the longest sequence in the batch, so a step reads only blocks its rows
-can reach), and the static `SamplerConfig`. Lengths, positions and sampling values
-are data: sequences grow inside a bucket without recompiling.
+can reach; a verify call's T is exactly 1 + k), and the static `SamplerConfig`. Lengths,
+positions and sampling values are data: sequences grow inside a bucket without recompiling.
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ class ModelRunner:
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
         self.max_num_seqs = max_num_seqs
+        self.verify_chunk = 1  # 1 + num_speculative_tokens with speculative decoding (one extra compile key)
         options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
         self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -242,7 +243,10 @@ class ModelRunner:
         Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config, top prompt
         logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
         """
-        batch, chunk = pow2_at_least(len(rows)), pow2_at_least(max(r.count for r in rows))
+        longest = max(r.count for r in rows)
+        batch, chunk = pow2_at_least(len(rows)), pow2_at_least(longest)
+        if any(r.drafts for r in rows) and longest <= self.verify_chunk:
+            chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
         width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
         packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
         n = len(rows)

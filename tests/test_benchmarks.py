@@ -1,5 +1,6 @@
 """The benchmark scripts still run (tiny sizes; numbers are not asserted here)."""
 
+import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -52,6 +53,41 @@ def test_bench_throughput_breakdown():
     result = json.loads(out[out.index("{"):])
     assert result["output_tokens"] == 32 and result["recompilations"] == 0 and result["identical_to_sync"]
     assert result["timings"]["steps"] >= 8 and 0 <= result["device_idle"] <= 1
+
+
+def test_bench_throughput_with_speculation(tmp_path):
+    """--speculative-config also times the engine without it: the same tokens, the speed-up and the
+    acceptance (tiny-llama drafting for itself accepts nearly every draft); prompts from a file."""
+    import json
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([[97, 98, 99] * 8, [100, 101] * 12]))
+    spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
+    out = _run("-m", "dcpjax.bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "12",
+               "--dataset-path", str(prompts), "--speculative-config", json.dumps(spec), "--no-breakdown", "--json")
+    result = json.loads(out[out.index("{"):])
+    assert result["without_speculation"]["identical_tokens"] and result["output_tokens"] == 48
+    assert result["spec_decode"]["mean_acceptance_length"] > 3 and result["speedup_vs_no_spec"] > 0
+    assert result["dataset"] == str(prompts) and result["speculative_config"] == spec
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch (the bench extra)")
+def test_make_cycle_llama_follows_its_cycles(tmp_path):
+    """The speculative-decoding workload's model continues its prompts' cycles (the script checks
+    it with transformers and fails otherwise); dcpjax loads the folder and agrees."""
+    import json
+
+    out = _run("benchmarks/make_cycle_llama.py", str(tmp_path / "m"), "--prompts", str(tmp_path / "p.json"),
+               "--num-prompts", "2", "--input-len", "80", "--hidden", "32", "--heads", "8", "--kv-heads", "4",
+               "--layers", "1", "--intermediate", "32")
+    assert "wrote" in out
+    from dcpjax import LLM, SamplingParams
+
+    prompts = json.loads((tmp_path / "p.json").read_text())
+    llm = LLM(str(tmp_path / "m"), max_model_len=128)
+    [result] = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(temperature=0, max_tokens=40))
+    cycle = next(p for p in range(1, 80) if prompts[0][p:] == prompts[0][:-p])
+    assert result.outputs[0].token_ids == [prompts[0][(80 + i) % cycle] for i in range(40)]
 
 
 def test_prefill_kv_reads_count():

@@ -1,6 +1,8 @@
 """Speculative decoding under DCP: the same tokens as plain decoding (greedy and seeded), exact
 rejection sampling, nothing past a stop, every block back when idle."""
 
+import argparse
+import json
 import math
 
 import jax
@@ -9,6 +11,7 @@ import numpy as np
 import pytest
 
 from dcpjax import LLM, SamplingParams
+from dcpjax.engine_args import EngineArgs
 from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
 from dcpjax.serve.metrics import Metrics
 from dcpjax.spec_decode import SpeculativeConfig
@@ -45,9 +48,21 @@ def test_config_checks_name_the_problem():
         SpeculativeConfig.from_dict({**SELF_DRAFT, "model": "tiny-llama", "draft_tensor_parallel_size": 2}).check_draft_tp(4)
 
 
-def test_llm_rejects_a_draft_with_another_vocabulary(tmp_path):
-    import json
+def test_cli_flag_takes_json_and_names_the_problem(capsys):
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    args = EngineArgs.from_cli_args(parser.parse_args(["--speculative-config", json.dumps(NGRAM)]))
+    assert args.speculative_config == NGRAM
+    assert args.to_cli_args() == ["--speculative-config", json.dumps(NGRAM)]
+    for bad, message in [("{", "expected a JSON object"), ("[1]", "expected a JSON object"),
+                         ('{"method": "ngram"}', "needs num_speculative_tokens")]:
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])
+        err = capsys.readouterr().err
+        assert "argument --speculative-config" in err and message in err
 
+
+def test_llm_rejects_a_draft_with_another_vocabulary(tmp_path):
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 100, "hidden_size": 16, "intermediate_size": 32,
               "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
               "max_position_embeddings": 512, "rms_norm_eps": 1e-5}
@@ -195,7 +210,7 @@ def test_seeded_sampling_equals_plain_decoding_and_metrics_count():
 def test_preemption_and_aborts_with_speculation_free_every_block():
     """A cache too small for the batch preempts sequences that hold draft room; outputs still equal
     plain decoding, and aborts mid-run leave every block free."""
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = [p * 2 for p in PROMPTS] * 2
     kw = dict(max_model_len=96, block_size=4, kv_cache_memory_bytes=60 * 4 * 2 * 2 * 2 * 16 * 4, max_num_seqs=8)
     plain = LLM("tiny-llama", **kw).generate(prompts, params)

@@ -17,9 +17,9 @@ run's wall time minus it is host time the device did not hide (device idle).
 With --speculative-config, the same workload also runs on an engine without speculation in the
 same process, and the speed-up, the mean acceptance length (1 + accepted drafts per verify row,
 vLLM's definition), the acceptance rate and the accepted drafts per position are printed.
-`--dataset repeat` makes prompts whose continuation repeats them (a segment of 8-64 distinct tokens,
-repeated): with a model that continues repetitions (benchmarks/make_copy_llama.py trains one),
-prompt lookup (ngram) proposes the right tokens.
+`--dataset-path` reads the prompts from a JSON file: benchmarks/make_cycle_llama.py writes a model
+whose greedy text cycles and prompts holding its cycles, where prompt lookup (ngram) proposes the
+right tokens.
 With --compare-transformers, Hugging Face transformers' `generate` runs the same
 folder and prompts in the same process (greedy, `min_new_tokens` = `max_new_tokens`,
 the equivalent of ignore_eos) and the ratio is printed; it needs `pip install -e ".[bench]"`.
@@ -39,8 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--dataset", choices=("random", "repeat"), default="random",
-                   help="random token prompts, or a random segment of 8-64 tokens repeated to --input-len")
+    p.add_argument("--dataset-path", help="prompts from a JSON file (a list of token id lists; cycled to "
+                   "--num-prompts, each cut to --input-len), e.g. benchmarks/make_cycle_llama.py's; default: "
+                   "random token ids")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time Hugging Face transformers' generate on the same folder and prompts")
@@ -65,19 +66,16 @@ def _prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(low, vocab, length).tolist() for _ in range(num)]
 
 
-def _repeat_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    """A segment of distinct ids >= 3 (a period of 8-64 tokens) repeated to `length` tokens, per
-    prompt: the workload benchmarks/make_copy_llama.py trains its model on."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    low = min(3, vocab - 1)
-    prompts = []
-    for _ in range(num):
-        period = min(int(rng.integers(8, 65)), vocab - low)
-        segment = rng.choice(np.arange(low, vocab), period, replace=False)  # distinct: one successor each
-        prompts.append(np.resize(segment, length).tolist())
-    return prompts
+def _file_prompts(path: str, num: int, length: int, vocab: int) -> list[list[int]]:
+    """`num` prompts from a JSON list of token id lists (cycled), each cut to `length` tokens."""
+    with open(path) as f:
+        prompts = json.load(f)
+    if not isinstance(prompts, list) or not prompts or not all(
+            isinstance(p, list) and len(p) >= length and all(isinstance(t, int) and 0 <= t < vocab for t in p)
+            for p in prompts):
+        raise SystemExit(f"--dataset-path {path}: expected a JSON list of lists of >= {length} token ids in "
+                         f"[0, {vocab})")
+    return [prompts[i % len(prompts)][:length] for i in range(num)]
 
 
 def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
@@ -164,8 +162,10 @@ def run(args: argparse.Namespace) -> dict:
     llm = engine.create_llm()
     max_num_seqs = engine.max_num_seqs
     vocab = llm.model_config.vocab_size
-    make_prompts = _repeat_prompts if args.dataset == "repeat" else _prompts
-    prompts = make_prompts(args.num_prompts, args.input_len, vocab, args.seed)
+    if args.dataset_path:
+        prompts = _file_prompts(args.dataset_path, args.num_prompts, args.input_len, vocab)
+    else:
+        prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     mode = llm.engine.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
@@ -173,7 +173,8 @@ def run(args: argparse.Namespace) -> dict:
     result = dict(
         model=args.model, devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}", jax=jax.__version__,
         tp=args.tensor_parallel_size, dcp=args.decode_context_parallel_size, num_prompts=args.num_prompts,
-        input_len=args.input_len, output_len=args.output_len, async_scheduling=mode, dataset=args.dataset,
+        input_len=args.input_len, output_len=args.output_len, async_scheduling=mode,
+        dataset=args.dataset_path or "random",
         elapsed_s=main["seconds"], output_tokens=main["output_tokens"],
         output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
