@@ -171,24 +171,14 @@ class LLM:
         self.model_config, self.tokenizer, weights = _model_source(model, pc, seed)
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
         self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
-        draft = None
-        if spec is not None and spec.method == "draft_model":
-            spec.check_draft_tp(pc.tp)
-            draft = self._load_draft(spec.model, seed)
+        draft = self._load_draft(spec, seed) if spec is not None and spec.method == "draft_model" else None
         graphdef, state = self._load_weights(self.model_config, weights, orbax_checkpoint)
         kv = self._size_kv_cache(block_size, cache_dtype,
                                  _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh),
                                  draft)
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
                                   max_num_seqs)
-        proposer = None
-        if spec is not None:
-            self.runner.verify_chunk = 1 + spec.num_speculative_tokens
-            proposer = (NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-                        if draft is None else draft.proposer(spec.num_speculative_tokens, pc, self.mesh, kv,
-                                                             attention_backend, max_num_seqs))
-            logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method,
-                        spec.num_speculative_tokens)
+        proposer = self._proposer(spec, draft, kv, attention_backend, max_num_seqs) if spec is not None else None
         self.engine = Engine(
             self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
             max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
@@ -201,8 +191,20 @@ class LLM:
         self.seed = seed
         self._request_ids = itertools.count()
 
-    def _load_draft(self, model: str, seed: int) -> DraftModel:
+    def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv, attention_backend: str,
+                  max_num_seqs: int):
+        """The speculative proposer (the runner verifies 1 + k positions per decode row)."""
+        k = spec.num_speculative_tokens
+        self.runner.verify_chunk = 1 + k
+        logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method, k)
+        if draft is None:
+            return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return draft.proposer(k, self.parallel_config, self.mesh, kv, attention_backend, max_num_seqs)
+
+    def _load_draft(self, spec: SpeculativeConfig, seed: int) -> DraftModel:
         """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
+        spec.check_draft_tp(self.parallel_config.tp)
+        model = spec.model
         cfg, _, weights = _model_source(model, self.parallel_config, seed)
         target = self.model_config
         if cfg.vocab_size != target.vocab_size:
