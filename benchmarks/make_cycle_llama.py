@@ -24,6 +24,7 @@ import json
 import sys
 
 import numpy as np
+from make_hf_llama import add_shape_args, random_llama  # run as a script: benchmarks/ is on sys.path
 
 
 def cycles(vocab: int, rng: np.random.Generator, min_len: int, max_len: int) -> list[np.ndarray]:
@@ -38,31 +39,18 @@ def cycles(vocab: int, rng: np.random.Generator, min_len: int, max_len: int) -> 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("out")
+    add_shape_args(p)
+    p.set_defaults(hidden=128)
     p.add_argument("--prompts", required=True, help="write the prompts (a JSON list of token id lists) here")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=640)
     p.add_argument("--min-cycle", type=int, default=8)
     p.add_argument("--max-cycle", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     import torch
-    import transformers
 
-    torch.manual_seed(args.seed)
+    model = random_llama(args)  # seeds torch; the weights below replace the projections that matter
     rng = np.random.default_rng(args.seed)
-    config = transformers.LlamaConfig(
-        hidden_size=args.hidden, intermediate_size=args.intermediate, num_hidden_layers=args.layers,
-        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab,
-        max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
     successor = np.full(args.vocab, 3)  # the special ids lead into the first cycle
     loops = cycles(args.vocab, rng, args.min_cycle, args.max_cycle)
     for loop in loops:

@@ -13,8 +13,8 @@ import argparse
 import sys
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The model-shape flags (shared with make_cycle_llama.py)."""
     p.add_argument("out")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--hidden", type=int, default=96)
@@ -24,7 +24,10 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=640)
     p.add_argument("--max-position-embeddings", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def random_llama(args: argparse.Namespace):
+    """A float32 transformers Llama of `args`' shape with random weights (seeded)."""
     import torch
     import transformers
 
@@ -35,7 +38,14 @@ def main(argv=None) -> int:
         max_position_embeddings=args.max_position_embeddings, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=False,
     )
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    return transformers.LlamaForCausalLM(config).to(torch.float32)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(p)
+    args = p.parse_args(argv)
+    model = random_llama(args)
     model.save_pretrained(args.out, safe_serialization=True)
     print(f"wrote {args.out}: {sum(p.numel() for p in model.parameters()):,} parameters")
     return 0

@@ -177,7 +177,7 @@ class LLM:
                                  _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh),
                                  draft)
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
-                                  max_num_seqs)
+                                  max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         proposer = self._proposer(spec, draft, kv, attention_backend, max_num_seqs) if spec is not None else None
         self.engine = Engine(
             self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
@@ -193,12 +193,11 @@ class LLM:
 
     def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv, attention_backend: str,
                   max_num_seqs: int):
-        """The speculative proposer (the runner verifies 1 + k positions per decode row)."""
+        """The speculative proposer of `spec`'s k drafts per decode row."""
         k = spec.num_speculative_tokens
-        self.runner.verify_chunk = 1 + k
         logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method, k)
         if draft is None:
-            return NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         return draft.proposer(k, self.parallel_config, self.mesh, kv, attention_backend, max_num_seqs)
 
     def _load_draft(self, spec: SpeculativeConfig, seed: int) -> DraftModel:

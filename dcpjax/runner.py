@@ -135,11 +135,12 @@ def _unpack_logprobs(out: np.ndarray, k: int, has_token: bool = True) -> dict[st
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, mesh: Mesh, graphdef: nnx.GraphDef,
-                 state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto", max_num_seqs: int = 64):
+                 state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto", max_num_seqs: int = 64,
+                 num_speculative_tokens: int = 0):
         self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
         self.graphdef, self.state = graphdef, state
         self.max_num_seqs = max_num_seqs
-        self.verify_chunk = 1  # 1 + num_speculative_tokens with speculative decoding (one extra compile key)
+        self.verify_chunk = 1 + num_speculative_tokens  # a verify call's chunk (one extra compile key)
         options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
         self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -243,9 +244,9 @@ class ModelRunner:
         Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config, top prompt
         logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
         """
-        longest = max(r.count for r in rows)
+        longest, verify = max(r.count for r in rows), any(r.drafts for r in rows)
         batch, chunk = pow2_at_least(len(rows)), pow2_at_least(longest)
-        if any(r.drafts for r in rows) and longest <= self.verify_chunk:
+        if verify and longest <= self.verify_chunk:
             chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
         width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
         packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
@@ -276,7 +277,6 @@ class ModelRunner:
         else:
             config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
         prompt_top = pow2_at_least(max(max(prompt_tops), 1)) if prompt_tops else None
-        verify = any(r.drafts for r in rows)
         return packed, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
 
     def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,

@@ -191,12 +191,12 @@ class Scheduler:
             self._cache_full_blocks(seq)
         return row
 
-    def _lookahead(self, seq: Sequence, want: int, budget: int) -> int:
+    def _lookahead(self, seq: Sequence, budget: int) -> int:
         """Drafts a decode row may verify: blocks and token budget are reserved for them (vLLM's
         lookahead slots), never past the sequence's last token."""
-        if not self.num_lookahead_tokens or want != 1 or seq.num_pending or seq.needs_prompt_logprobs:
-            return 0
-        if seq.num_tokens - seq.num_computed != 1:
+        # a decode row (one token left to compute), not waiting on the device
+        if (not self.num_lookahead_tokens or seq.num_tokens - seq.num_computed != 1 or seq.num_pending
+                or seq.needs_prompt_logprobs):
             return 0
         return max(0, min(self.num_lookahead_tokens, seq.max_total - seq.num_tokens - 1, budget - 1))
 
@@ -221,7 +221,7 @@ class Scheduler:
             if want <= 0:
                 index += 1
                 continue
-            lookahead = self._lookahead(seq, want, budget)
+            lookahead = self._lookahead(seq, budget)
             while not self._grow(seq, seq.num_computed + want + lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -96,7 +96,6 @@ class ScheduledRow:
     # scheduler); `drafts` are the proposed tokens after the input, so count = 1 + len(drafts)
     lookahead: int = 0
     drafts: list[int] = dataclasses.field(default_factory=list)
-    draft_extent: int = 0  # tokens of this sequence the draft model's cache holds after proposing
 
     def set_drafts(self, drafts: list[int]) -> None:
         """Verify `drafts` too: the row covers positions start .. start + len(drafts)."""

@@ -49,22 +49,21 @@ def propose_ngram(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
 class NgramProposer:
     """Drafts for a step's decode rows by prompt lookup over each sequence's prompt + output."""
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
-        self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
-        self._buffers: weakref.WeakKeyDictionary[Sequence, np.ndarray] = weakref.WeakKeyDictionary()
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.n_min, self.n_max = prompt_lookup_min, prompt_lookup_max
+        # per sequence: (buffer, tokens copied into it); dropped with the sequence
+        self._buffers: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         """The sequence's tokens as int32 numpy, appended in place as it grows (amortised O(new))."""
-        buffer = self._buffers.get(seq)
+        buffer, filled = self._buffers.get(seq, (None, 0))
         length = seq.length
-        filled = getattr(seq, "_ngram_filled", 0)
-        if buffer is None or len(buffer) < length or filled > length:
-            grown = np.empty(max(2 * length, 64), np.int32)
-            grown[:length] = seq.token_ids
-            self._buffers[seq], buffer = grown, grown
+        if buffer is None or len(buffer) < length:
+            buffer = np.empty(max(2 * length, 64), np.int32)
+            buffer[:length] = seq.token_ids
         elif filled < length:
             buffer[filled:length] = seq.token_ids[filled:length]
-        seq._ngram_filled = length
+        self._buffers[seq] = buffer, length
         return buffer[:length]
 
     def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray | None = None) -> None:
