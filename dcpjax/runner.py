@@ -7,9 +7,9 @@ per step); its sampled tokens also land in a device-side buffer indexed by each
 sequence's slot, from which the next step reads a decode row's input, so the host
 never has to see a token before the device uses it (asynchronous scheduling).
 
-Compile keys: rows B, chunk T and block-table width P (each bucketed to a power of
-two, P to the longest sequence in the batch, so a step reads only blocks its rows
-can reach; a verify call's T is exactly 1 + k), and the static `SamplerConfig`. Lengths,
+Compile keys: rows B and chunk T (each bucketed to a power of two; a verify call's T is
+exactly 1 + k), block-table width P (bucketed by `width_bucket` to the longest sequence in
+the batch, so a step reads only blocks its rows can reach), and the static `SamplerConfig`. Lengths,
 positions and sampling values are data: sequences grow inside a bucket without recompiling.
 """
 
@@ -72,6 +72,15 @@ class KVCacheLayout:
         local_heads = self.kv_slots // tp_groups
         per_token_head = sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize + (4 * len(self.pool_dims) if self.quantized else 0)
         return num_layers * self.block_size * local_heads * per_token_head
+
+
+def width_bucket(pages: int) -> int:
+    """The block-table width a step with rows of up to `pages` blocks compiles for: a power of
+    two up to 8, then 8, 12, 16, 24, 32, 48, ... (2^k and 1.5 x 2^k). Attention reads every page
+    of the width: powers of two alone read up to twice what the rows hold, these steps less than
+    1.5 times, for one extra compile per octave."""
+    pow2 = pow2_at_least(pages)
+    return pow2 * 3 // 4 if pow2 >= 16 and pages <= pow2 * 3 // 4 else pow2
 
 
 # Columns of a packed step input after the chunk's tokens and the block table. NEXT: the
@@ -248,7 +257,7 @@ class ModelRunner:
         batch, chunk = pow2_at_least(len(rows)), pow2_at_least(longest)
         if verify and longest <= self.verify_chunk:
             chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
-        width = min(block_tables.shape[1], pow2_at_least(max(len(r.seq.blocks) for r in rows)))
+        width = min(block_tables.shape[1], width_bucket(max(len(r.seq.blocks) for r in rows)))
         packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
         n = len(rows)
         meta = packed[:, chunk + width :]

@@ -98,6 +98,7 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+
 def sampler_config(params: Sequence[SamplingParams], vocab_size: int) -> SamplerConfig:
     """The SamplerConfig for a step whose sampling rows use `params`."""
     random = [p for p in params if p.temperature > 0]
@@ -205,6 +206,29 @@ def _bisect_top_p_cutoff(scaled, top_p):
     return _unsortable(high)
 
 
+ARGMAX_CHUNK = 64
+
+
+def argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; a NaN counts as +inf), in two
+    short reductions: the best of each chunk of 64 entries, then the best inside the winning
+    chunk. XLA:CPU's one-pass argmax over a long axis is several times slower (a greedy row of
+    640 logits: 97 -> 18 us; 64 rows of 151,936: 42 -> 2.7 ms, `benchmarks/sampling.py`)."""
+    *lead, vocab = x.shape
+    if vocab <= ARGMAX_CHUNK:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    pad = -vocab % ARGMAX_CHUNK
+    if pad:  # -inf never wins over a real entry
+        x = jnp.concatenate([x, jnp.full((*lead, pad), -jnp.inf, x.dtype)], axis=-1)
+    chunks = x.reshape(*lead, -1, ARGMAX_CHUNK)
+    # XLA:CPU's max skips NaN. A chunk's sum is NaN if it holds a NaN, or both infinities (and then
+    # +inf is its max anyway); finite logits never overflow to infinity.
+    chunk_max = jnp.where(jnp.isnan(jnp.sum(chunks, axis=-1)), jnp.inf, jnp.max(chunks, axis=-1))
+    best_chunk = jnp.argmax(chunk_max, axis=-1).astype(jnp.int32)
+    inside = jnp.take_along_axis(chunks, best_chunk[..., None, None], axis=-2)[..., 0, :]
+    return best_chunk * ARGMAX_CHUNK + jnp.argmax(inside, axis=-1).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Sampled:
     """Pick one token per row of `logits` [B, V] float32 (raw model logits).
 
@@ -212,7 +236,7 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
     distribution, and min_p relative to the best token; the best token always stays.
     Returned log-probabilities are of the raw logits (log_softmax), as vLLM reports them.
     """
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = argmax(logits)
     if config.all_greedy:
         tokens = greedy_tokens
     else:
@@ -226,7 +250,7 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
         def draw_from_vocabulary(cutoff):
             ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
             keep = scaled >= jnp.minimum(cutoff, best)[:, None]  # masked after the noise: never -inf + noise
-            return jnp.argmax(jnp.where(keep, scaled + _gumbel_noise(key_bits, ids), -jnp.inf), axis=-1).astype(jnp.int32)
+            return argmax(jnp.where(keep, scaled + _gumbel_noise(key_bits, ids), -jnp.inf))
 
         if not config.candidates:
             drawn = draw_from_vocabulary(cutoff)

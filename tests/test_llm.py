@@ -51,8 +51,8 @@ def test_outputs_look_like_vllm():
 
 
 def test_compiled_step_shapes_stay_fixed_as_sequences_grow():
-    """Compile keys are rows, chunk and block-table width, each a power of two: sequences grow
-    inside a width bucket without recompiling, and each doubling of the longest one adds one."""
+    """Compile keys are rows and chunk (powers of two) and block-table width (`width_bucket`):
+    sequences grow inside a width bucket without recompiling, and each bucket they reach adds one."""
     llm = make(enable_prefix_caching=False)  # block_size 16, DCP 1; repeated prompts compute in full
     llm.generate(["a" * 10, "b" * 40], SamplingParams(temperature=0, max_tokens=5))
     compiled = llm.runner.compiled_step_count
@@ -60,13 +60,23 @@ def test_compiled_step_shapes_stay_fixed_as_sequences_grow():
     # longer outputs inside the same buckets: positions and lengths are data, not compile keys
     llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
     assert llm.runner.compiled_step_count == compiled
-    # 46 + 100 tokens need 10 blocks: decode widths 8 and 16 join, once
+    # 46 + 100 tokens need 10 blocks: decode widths 8 and 12 join, once
     for _ in range(2):
         llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         assert llm.runner.compiled_step_count == compiled + 2
-    # any mix stays within the buckets: rows in {1, 2, 4, 8}, chunk in {1, ..., 64}, width in {1, ..., 32}
+    # any mix stays within the buckets: rows in {1, 2, 4, 8}, chunk in {1, ..., 64}, width in {1, 2, 4, 8, 12, ...}
     llm.generate(["e" * n for n in (3, 30, 61, 7, 19)], SamplingParams(temperature=0, max_tokens=9))
-    assert llm.runner.compiled_step_count <= 4 * 7 * 6
+    assert llm.runner.compiled_step_count <= 4 * 7 * 8
+
+
+def test_width_buckets_read_less_than_one_and_a_half_times_what_rows_hold():
+    from dcpjax.runner import width_bucket
+
+    assert [width_bucket(n) for n in (1, 2, 3, 5, 8, 9, 12, 13, 17, 24, 25, 33, 49, 97)] == [
+        1, 2, 4, 8, 8, 12, 12, 16, 24, 24, 32, 48, 64, 128]
+    for pages in range(9, 5000):
+        bucket = width_bucket(pages)
+        assert pages <= bucket < 1.5 * pages, pages
 
 
 def test_sampling_controls():

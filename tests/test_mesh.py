@@ -39,3 +39,23 @@ def test_logical_axis_rules():
     assert logical_spec("batch", "kv_tokens", "kv_heads", None) == P(None, "dcp", "tp", None)
     with pytest.raises(KeyError, match="unknown logical axis"):
         logical_spec("heads")
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_row_parallel_reductions_are_collectives_only_when_tp_splits(tp):
+    """reduce_model / gather_model are psum / all_gather over the TP devices, and nothing at
+    TP 1 (XLA would keep a one-device collective in every step)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dcpjax.sharding.mesh import gather_model, reduce_model
+
+    mesh = make_mesh(ParallelConfig(tp, 1))
+    body = lambda x: (reduce_model(x), gather_model(x, axis=0))
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(("tp", "dcp")), out_specs=(P(), P()), check_vma=False))
+    x = jnp.arange(8.0)
+    total, gathered = f(x)
+    np.testing.assert_allclose(total, x.reshape(tp, -1).sum(axis=0))
+    np.testing.assert_array_equal(gathered, x)
+    hlo = f.lower(x).compile().as_text()
+    assert ("all-reduce" in hlo, "all-gather" in hlo) == (tp > 1, tp > 1)

@@ -116,3 +116,22 @@ def test_gumbel_noise_is_finite_at_the_extremes():
     bits = jnp.asarray(np.array([0, 1, 2**31, 2**32 - 512, 2**32 - 1], np.uint32))
     noise = np.asarray(_gumbel_from_bits(bits))
     assert np.all(np.isfinite(noise)), noise
+
+
+@pytest.mark.parametrize("shape", [(3, 640), (2, 3, 1000), (4, 64), (4, 65), (5, 1), (2, 151936)])
+def test_argmax_is_jnp_argmax(shape):
+    """The two-level argmax picks what jnp.argmax picks: the first of tied maxima, across and
+    inside chunks, with padding, infinities and -inf rows; a NaN wins like +inf."""
+    from dcpjax.sampling import argmax
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape).astype(np.float32)
+    flat = x.reshape(-1, shape[-1])
+    flat[:, -1] = flat.max(axis=-1)  # a tie with the last entry: the earlier one wins
+    if shape[-1] > 70:
+        flat[0, 66] = flat[0, 3] = np.inf  # +inf in two chunks
+        flat[1, 69] = np.nan
+        flat[-1] = -np.inf  # nothing but -inf: index 0
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))

@@ -17,6 +17,8 @@ run's wall time minus it is host time the device did not hide (device idle).
 With --speculative-config, the same workload also runs on an engine without speculation in the
 same process, and the speed-up, the mean acceptance length (1 + accepted drafts per verify row,
 vLLM's definition), the acceptance rate and the accepted drafts per position are printed.
+Every timed figure is the median of `--num-iters` runs (transformers' too): one 0.2 s run on
+a shared machine is not a measurement.
 `--dataset-path` reads the prompts from a JSON file: benchmarks/make_cycle_llama.py writes a model
 whose greedy text cycles and prompts holding its cycles, where prompt lookup (ngram) proposes the
 right tokens.
@@ -42,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-path", help="prompts from a JSON file (a list of token id lists; cycled to "
                    "--num-prompts, each cut to --input-len), e.g. benchmarks/make_cycle_llama.py's; default: "
                    "random token ids")
+    p.add_argument("--num-iters", type=int, default=5,
+                   help="timed runs of the workload (and of transformers); the median run is reported")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time Hugging Face transformers' generate on the same folder and prompts")
@@ -97,6 +101,15 @@ def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
                 spec_decode=engine.spec_stats.as_dict() if engine.spec_stats is not None else None)
 
 
+def _median_generate(llm, prompts, params, async_scheduling: bool, iters: int) -> dict:
+    """`iters` timed runs; the one with the median time, its recompilations those of every run
+    (a 0.2 s run on a shared machine moves by 30%: one run is not a measurement)."""
+    runs = [_timed_generate(llm, prompts, params, async_scheduling) for _ in range(max(iters, 1))]
+    median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
+    return median | {"recompilations": sum(r["recompilations"] for r in runs),
+                     "all_seconds": [r["seconds"] for r in runs]}
+
+
 def _sampling_ms(vocab: int, batch: int) -> float:
     """The greedy sampler alone at this batch and vocabulary (it runs inside the step)."""
     import jax
@@ -112,7 +125,7 @@ def _sampling_ms(vocab: int, batch: int) -> float:
     return 1e3 * median_seconds(lambda: fn(logits), 20)
 
 
-def _transformers_generate(folder: str, prompts: list[list[int]], output_len: int) -> dict:
+def _transformers_generate(folder: str, prompts: list[list[int]], output_len: int, iters: int) -> dict:
     try:
         import torch
         import transformers
@@ -125,22 +138,25 @@ def _transformers_generate(folder: str, prompts: list[list[int]], output_len: in
     kw = dict(do_sample=False, pad_token_id=pad, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
-        start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
-        seconds = time.perf_counter() - start
+        times = []
+        for _ in range(max(iters, 1)):
+            start = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+            times.append(time.perf_counter() - start)
+    seconds = sorted(times)[len(times) // 2]
     generated = out[:, ids.shape[1]:]
-    return dict(seconds=seconds, output_tokens=int(generated.numel()), token_ids=generated.tolist(),
-                version=transformers.__version__, torch=torch.__version__)
+    return dict(seconds=seconds, all_seconds=times, output_tokens=int(generated.numel()),
+                token_ids=generated.tolist(), version=transformers.__version__, torch=torch.__version__)
 
 
-def _without_speculation(engine: EngineArgs, prompts, params, spec_outputs) -> dict:
+def _without_speculation(engine: EngineArgs, prompts, params, spec_outputs, iters: int) -> dict:
     """The same workload on the same engine without speculation (its own scheduling mode)."""
     import dataclasses
 
     llm = dataclasses.replace(engine, speculative_config=None).create_llm()
     mode = llm.engine.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up
-    run = _timed_generate(llm, prompts, params, mode)
+    run = _median_generate(llm, prompts, params, mode, iters)
     same = [o.outputs[0].token_ids for o in run["outputs"]] == [o.outputs[0].token_ids for o in spec_outputs]
     return dict(output_throughput=run["output_tokens"] / run["seconds"], elapsed_s=run["seconds"],
                 async_scheduling=mode, steps=run["timings"]["steps"], identical_tokens=same)
@@ -169,23 +185,25 @@ def run(args: argparse.Namespace) -> dict:
     params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     mode = llm.engine.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
-    main = _timed_generate(llm, prompts, params, mode)
+    main = _median_generate(llm, prompts, params, mode, args.num_iters)
     result = dict(
         model=args.model, devices=f"{jax.device_count()} x {jax.devices()[0].device_kind}", jax=jax.__version__,
         tp=args.tensor_parallel_size, dcp=args.decode_context_parallel_size, num_prompts=args.num_prompts,
         input_len=args.input_len, output_len=args.output_len, async_scheduling=mode,
         dataset=args.dataset_path or "random",
-        elapsed_s=main["seconds"], output_tokens=main["output_tokens"],
+        num_iters=args.num_iters, elapsed_s=main["seconds"], all_elapsed_s=main["all_seconds"],
+        output_tokens=main["output_tokens"],
         output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
         sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
     )
     if main["spec_decode"] is not None:
         result.update(speculative_config=engine.speculative_config, spec_decode=main["spec_decode"],
-                      without_speculation=_without_speculation(engine, prompts, params, main["outputs"]))
+                      without_speculation=_without_speculation(engine, prompts, params, main["outputs"],
+                                                                args.num_iters))
         result["speedup_vs_no_spec"] = result["output_throughput"] / result["without_speculation"]["output_throughput"]
     if not args.no_breakdown:
-        sync = _timed_generate(llm, prompts, params, False)
+        sync = _median_generate(llm, prompts, params, False, args.num_iters)
         device_s = sync["timings"]["dispatch"] + sync["timings"]["wait"]
         result.update(device_s=device_s, sync_elapsed_s=sync["seconds"],
                       sync_output_throughput=sync["output_tokens"] / sync["seconds"],
@@ -193,8 +211,8 @@ def run(args: argparse.Namespace) -> dict:
                       identical_to_sync=[o.outputs[0].token_ids for o in sync["outputs"]]
                       == [o.outputs[0].token_ids for o in main["outputs"]])
     if args.compare_transformers:
-        hf = _transformers_generate(args.model, prompts, args.output_len)
-        result["transformers"] = dict(elapsed_s=hf["seconds"], output_throughput=hf["output_tokens"] / hf["seconds"],
+        hf = _transformers_generate(args.model, prompts, args.output_len, args.num_iters)
+        result["transformers"] = dict(elapsed_s=hf["seconds"], all_elapsed_s=hf["all_seconds"], output_throughput=hf["output_tokens"] / hf["seconds"],
                                       version=hf["version"], torch=hf["torch"],
                                       greedy_tokens_match=hf["token_ids"] == [o.outputs[0].token_ids for o in main["outputs"]])
         result["ratio_vs_transformers"] = result["output_throughput"] / result["transformers"]["output_throughput"]
@@ -210,7 +228,7 @@ def report(r: dict) -> str:
         (f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
          f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling"),
         (f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
-         f"elapsed {r['elapsed_s']:.2f} s, {t['steps']} steps ({t['model_calls']} model calls), "
+         f"elapsed {r['elapsed_s']:.3f} s (median of {r['num_iters']}), {t['steps']} steps ({t['model_calls']} model calls), "
          f"recompilations while timed: {r['recompilations']}"),
         "",
         "| per step (ms) | schedule | propose (drafts) | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",

@@ -26,7 +26,7 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention
-from dcpjax.sharding.mesh import MODEL_AXES
+from dcpjax.sharding.mesh import reduce_model
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
@@ -89,7 +89,7 @@ class MLAttention(nnx.Module):
                                       ctx.pc, options)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])
-        return jax.lax.psum(out, MODEL_AXES), kv
+        return reduce_model(out), kv
 
 
 class GroupedTopKMoE(nnx.Module):
@@ -126,7 +126,7 @@ class GroupedTopKMoE(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(flat)
         routed = routed_experts(flat, chosen, weights, self.gate[...], self.up[...], self.down[...])
-        out = jax.lax.psum(routed, MODEL_AXES).reshape(x.shape)
+        out = reduce_model(routed).reshape(x.shape)
         return out if self.shared is None else out + self.shared(x)
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.sharding.mesh import MODEL_AXES
+from dcpjax.sharding.mesh import MODEL_AXES, gather_model, reduce_model
 
 
 def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, init: str = "normal") -> nnx.Param:
@@ -44,7 +44,7 @@ class GatedMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
         h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-        return jax.lax.psum(h @ self.down[...], MODEL_AXES)
+        return reduce_model(h @ self.down[...])
 
 
 class VocabEmbedding(nnx.Module):
@@ -59,7 +59,7 @@ class VocabEmbedding(nnx.Module):
         local = tokens - jax.lax.axis_index(MODEL_AXES) * rows
         inside = (local >= 0) & (local < rows)
         found = jnp.take(self.weight[...], jnp.clip(local, 0, rows - 1), axis=0)
-        return jax.lax.psum(jnp.where(inside[..., None], found, 0), MODEL_AXES)
+        return reduce_model(jnp.where(inside[..., None], found, 0))
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
@@ -77,7 +77,7 @@ class LMHead(nnx.Module):
 
 def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
     """[..., vocab / TP] shards -> full [..., vocab] logits; padded rows dropped."""
-    full = jax.lax.all_gather(local_logits, MODEL_AXES, axis=local_logits.ndim - 1, tiled=True)
+    full = gather_model(local_logits, axis=local_logits.ndim - 1)
     return full[..., :vocab_size]
 
 
@@ -116,4 +116,4 @@ class SparseMoE(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         out = routed_experts(flat, experts, weights, self.gate[...], self.up[...], self.down[...])
-        return jax.lax.psum(out, MODEL_AXES).reshape(x.shape)
+        return reduce_model(out).reshape(x.shape)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -24,7 +23,7 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention
-from dcpjax.sharding.mesh import MODEL_AXES, kv_head_slots
+from dcpjax.sharding.mesh import kv_head_slots, reduce_model
 
 
 class LlamaAttention(nnx.Module):
@@ -66,7 +65,7 @@ class LlamaAttention(nnx.Module):
         options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
         out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options)
         out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
-        return jax.lax.psum(out, MODEL_AXES), kv
+        return reduce_model(out), kv
 
 
 def llama_mlp(cfg: ModelConfig, dtype, index: int) -> nnx.Module:

@@ -44,6 +44,17 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
 }
 
 
+def reduce_model(x: jax.Array) -> jax.Array:
+    """psum of a row-parallel product over all TP devices (inside shard_map). At TP 1 it is x
+    itself: XLA keeps a one-device all-reduce as a collective in the step (a thunk each on CPU)."""
+    return x if jax.lax.axis_size(MODEL_AXES) == 1 else jax.lax.psum(x, MODEL_AXES)
+
+
+def gather_model(x: jax.Array, axis: int) -> jax.Array:
+    """all_gather (tiled) of x's `axis` over all TP devices; x itself at TP 1."""
+    return x if jax.lax.axis_size(MODEL_AXES) == 1 else jax.lax.all_gather(x, MODEL_AXES, axis=axis, tiled=True)
+
+
 def logical_spec(*logical_axes: str | None) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry these logical names.
 
