@@ -49,9 +49,10 @@ def test_bench_throughput_breakdown():
     import json
 
     out = _run("-m", "dcpjax.bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "8",
-               "--num-cpu-devices", "8", "-tp", "4", "-dcp", "2", "--json")
+               "--num-cpu-devices", "8", "-tp", "4", "-dcp", "2", "--num-iters", "2", "--json")
     result = json.loads(out[out.index("{"):])
     assert result["output_tokens"] == 32 and result["recompilations"] == 0 and result["identical_to_sync"]
+    assert len(result["all_elapsed_s"]) == 2 and result["elapsed_s"] in result["all_elapsed_s"]
     assert result["timings"]["steps"] >= 8 and 0 <= result["device_idle"] <= 1
 
 
@@ -64,7 +65,8 @@ def test_bench_throughput_with_speculation(tmp_path):
     prompts.write_text(json.dumps([[97, 98, 99] * 8, [100, 101] * 12]))
     spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
     out = _run("-m", "dcpjax.bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "12",
-               "--dataset-path", str(prompts), "--speculative-config", json.dumps(spec), "--no-breakdown", "--json")
+               "--dataset-path", str(prompts), "--speculative-config", json.dumps(spec), "--no-breakdown", "--num-iters", "1",
+               "--json")
     result = json.loads(out[out.index("{"):])
     assert result["without_speculation"]["identical_tokens"] and result["output_tokens"] == 48
     assert result["spec_decode"]["mean_acceptance_length"] > 3 and result["speedup_vs_no_spec"] > 0

@@ -36,6 +36,12 @@ import time
 from dcpjax.engine_args import EngineArgs
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return int(text)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The workload flags, then the engine flags (`EngineArgs`, with this benchmark's defaults)."""
     p.add_argument("--num-prompts", type=int, default=32)
@@ -44,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-path", help="prompts from a JSON file (a list of token id lists; cycled to "
                    "--num-prompts, each cut to --input-len), e.g. benchmarks/make_cycle_llama.py's; default: "
                    "random token ids")
-    p.add_argument("--num-iters", type=int, default=5,
+    p.add_argument("--num-iters", type=_positive_int, default=5,
                    help="timed runs of the workload (and of transformers); the median run is reported")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
     p.add_argument("--compare-transformers", action="store_true",
@@ -104,7 +110,7 @@ def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
 def _median_generate(llm, prompts, params, async_scheduling: bool, iters: int) -> dict:
     """`iters` timed runs; the one with the median time, its recompilations those of every run
     (a 0.2 s run on a shared machine moves by 30%: one run is not a measurement)."""
-    runs = [_timed_generate(llm, prompts, params, async_scheduling) for _ in range(max(iters, 1))]
+    runs = [_timed_generate(llm, prompts, params, async_scheduling) for _ in range(iters)]
     median = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
     return median | {"recompilations": sum(r["recompilations"] for r in runs),
                      "all_seconds": [r["seconds"] for r in runs]}
@@ -139,7 +145,7 @@ def _transformers_generate(folder: str, prompts: list[list[int]], output_len: in
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
         times = []
-        for _ in range(max(iters, 1)):
+        for _ in range(iters):
             start = time.perf_counter()
             out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
             times.append(time.perf_counter() - start)
@@ -212,7 +218,8 @@ def run(args: argparse.Namespace) -> dict:
                       == [o.outputs[0].token_ids for o in main["outputs"]])
     if args.compare_transformers:
         hf = _transformers_generate(args.model, prompts, args.output_len, args.num_iters)
-        result["transformers"] = dict(elapsed_s=hf["seconds"], all_elapsed_s=hf["all_seconds"], output_throughput=hf["output_tokens"] / hf["seconds"],
+        result["transformers"] = dict(elapsed_s=hf["seconds"], all_elapsed_s=hf["all_seconds"],
+                                      output_throughput=hf["output_tokens"] / hf["seconds"],
                                       version=hf["version"], torch=hf["torch"],
                                       greedy_tokens_match=hf["token_ids"] == [o.outputs[0].token_ids for o in main["outputs"]])
         result["ratio_vs_transformers"] = result["output_throughput"] / result["transformers"]["output_throughput"]
