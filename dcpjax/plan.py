@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.models.config import ModelConfig, load_model_config
-from dcpjax.runner import build_model, kv_cache_layout
-from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES
+from dcpjax.model_source import load_model_config
+from dcpjax.models.config import ModelConfig
+from dcpjax.runner import build_model, kv_cache_layout, layout_problems
+from dcpjax.sharding.mesh import mesh_ways
 
 GB = 1e9
 
@@ -56,18 +57,13 @@ class Deployment:
         )
 
 
-def _ways(logical_axis, pc: ParallelConfig) -> int:
-    sizes = {"tp": pc.kv_head_groups, "dcp": pc.dcp}
-    return math.prod(sizes[a] for a in LOGICAL_AXIS_RULES.get(logical_axis) or ()) if logical_axis else 1
-
-
 def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, dtype) -> int:
     """Bytes of this device's shard of every parameter (float32 routers stay float32)."""
     _, state = build_model(cfg, pc, jnp.dtype(dtype))
     total = 0
     for _, var in nnx.to_flat_state(state):
         value = var.get_value()
-        shard = math.prod(n // _ways(a, pc) for n, a in zip(value.shape, var.logical_axes))
+        shard = math.prod(n // mesh_ways(a, pc) for n, a in zip(value.shape, var.logical_axes))
         total += shard * jnp.dtype(value.dtype).itemsize
     return total
 
@@ -135,8 +131,8 @@ def plan_model(args) -> dict:
     rows = []
     for dcp in [d for d in range(1, args.tensor_parallel_size + 1) if args.tensor_parallel_size % d == 0]:
         pc = ParallelConfig(args.tensor_parallel_size, dcp)
-        weights = weight_bytes_per_device(cfg, pc, args.weight_dtype or args.dtype) if not pc.model_rule_violations(
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.use_mla) else 0
+        weights = weight_bytes_per_device(cfg, pc, args.weight_dtype or args.dtype) if not layout_problems(
+            cfg, pc) else 0
         rows.append(planner.plan_size(cfg, pc, device=device, link=link, workload=workload, weight_bytes=weights,
                                       kv_dtype=kv_dtype, block_size=args.block_size,
                                       q_bytes=jnp.dtype(args.dtype).itemsize))

@@ -14,7 +14,7 @@ import dataclasses
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.runner import kv_cache_layout
+from dcpjax.runner import kv_cache_layout, layout_problems
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
 
 GB = 1e9
@@ -73,7 +73,7 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
               weight_bytes: float, kv_dtype, block_size: int = 16, q_bytes: int = 2,
               utilization: float = 0.9) -> dict:
     """One DCP size of the plan: verdict, capacity, traffic and roofline step time (seconds)."""
-    broken = pc.model_rule_violations(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.use_mla)
+    broken = layout_problems(cfg, pc)
     row = {"dcp": pc.dcp, "valid": not broken, "rules_broken": broken}
     budget = device.memory_gb * GB * utilization - weight_bytes
     if broken or budget <= 0:

@@ -30,6 +30,7 @@ from dcpjax.kernels.kv_cache import FP8
 from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
+from dcpjax.models.layers import unsplittable_dims
 from dcpjax.models.llama import LlamaForCausalLM
 from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config, token_logprobs
 from dcpjax.sequence import ScheduledRow
@@ -39,12 +40,29 @@ from dcpjax.spec_decode.verify import verify_drafts
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
 
-def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and its abstract (shape-only) parameters."""
-    pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     model_class = MODEL_CLASSES[cfg.architecture]
-    abstract = nnx.eval_shape(lambda: model_class(cfg, pc, dtype))
-    return nnx.split(abstract)
+    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
+
+
+def layout_problems(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
+    """Why this model cannot run on `pc`'s mesh, one sentence each (empty: it can): the TP/DCP
+    rules, then any parameter dimension the mesh cannot split. The one check of `build_model`
+    and the planner, so a layout reported valid also loads."""
+    broken = pc.model_rule_violations(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+    return broken or unsplittable_dims(_abstract_model(cfg, pc, jnp.float32)[1], pc)
+
+
+def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and its abstract (shape-only) parameters, checked against the mesh
+    before any weight is read (ValueError names the rule or the dimension)."""
+    pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+    graphdef, state = _abstract_model(cfg, pc, dtype)
+    problems = unsplittable_dims(state, pc)
+    if problems:
+        raise ValueError(f"tensor_parallel_size={pc.tp}, decode_context_parallel_size={pc.dcp} cannot hold this "
+                         f"model: " + "; ".join(problems))
+    return graphdef, state
 
 
 def param_specs(state: nnx.State):

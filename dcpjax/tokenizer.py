@@ -31,14 +31,25 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         folder = pathlib.Path(folder)
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
-        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         # transformers' order: chat_template.jinja, then chat_template.json, over tokenizer_config.json's
         if (folder / "chat_template.jinja").is_file():
-            self.config["chat_template"] = (folder / "chat_template.jinja").read_text()
+            config["chat_template"] = (folder / "chat_template.jinja").read_text()
         elif (folder / "chat_template.json").is_file():
-            self.config["chat_template"] = json.loads((folder / "chat_template.json").read_text())["chat_template"]
+            config["chat_template"] = json.loads((folder / "chat_template.json").read_text())["chat_template"]
+        self._setup(Tokenizer.from_file(str(folder / "tokenizer.json")), config)
+
+    @classmethod
+    def from_parts(cls, tokenizer, config: dict) -> HFTokenizer:
+        """From a `tokenizers.Tokenizer` and a tokenizer_config.json-style dict (special tokens,
+        add_bos_token, chat_template), as a GGUF file's metadata gives them."""
+        self = cls.__new__(cls)
+        self._setup(tokenizer, dict(config))
+        return self
+
+    def _setup(self, tokenizer, config: dict) -> None:
+        self.tokenizer, self.config = tokenizer, config
         self.bos_token_id = self._special_id("bos_token")
         self.eos_token_id = self._special_id("eos_token")
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token_id is not None

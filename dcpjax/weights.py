@@ -154,20 +154,6 @@ def output_heads(hf_name, heads: int, head_dim: int, hidden: int) -> Rule:
     return Rule({hf_name: (hidden, heads * head_dim)}, read)
 
 
-def vocab_rows(hf_name, vocab: int, hidden: int, transpose: bool) -> Rule:
-    """Embedding [vocab, hidden] -> [vocab_padded, hidden] (or its transpose, the LM head); zero padding."""
-
-    def read(src, idx, shape):
-        bounds = _bounds(idx, shape)
-        (v0, v1), (e0, e1) = bounds[::-1] if transpose else bounds
-        real = src.read(hf_name, (slice(min(v0, vocab), min(v1, vocab)), slice(e0, e1)))
-        block = np.zeros((v1 - v0, e1 - e0), real.dtype)
-        block[: real.shape[0]] = real
-        return block.T if transpose else block
-
-    return Rule({hf_name: (vocab, hidden)}, read)
-
-
 def kv_b_part(hf_name, heads: int, nope: int, v: int, lora: int, part: str) -> Rule:
     """MLA's kv_b_proj [heads*(nope+v), lora] -> W_UK [heads, nope, lora] or W_UV [heads, v, lora]."""
     offset = 0 if part == "k" else nope
@@ -247,11 +233,11 @@ def model_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
     """dcpjax parameter path -> Rule, for every supported architecture."""
     e = cfg.hidden_size
     rules = {
-        "embed.weight": vocab_rows("model.embed_tokens.weight", cfg.vocab_size, e, transpose=False),
+        "embed.weight": same("model.embed_tokens.weight", (cfg.vocab_size, e)),
         "norm.weight": same("model.norm.weight", (e,)),
     }
     if not cfg.tie_word_embeddings:
-        rules["lm_head.weight"] = vocab_rows("lm_head.weight", cfg.vocab_size, e, transpose=True)
+        rules["lm_head.weight"] = transposed("lm_head.weight", (cfg.vocab_size, e))
     for i in range(cfg.num_hidden_layers):
         ours, hf = f"layers.{i}", f"model.layers.{i}"
         rules |= {
@@ -306,6 +292,22 @@ def _path_name(path) -> str:
     return ".".join(str(getattr(p, "key", p)) for p in path)
 
 
+def read_padded(rule: Rule, source: TensorSource, index: tuple[slice, ...], shape: tuple[int, ...],
+                unpadded: tuple[int, ...]) -> np.ndarray:
+    """A device's block of a parameter whose axes are padded past the checkpoint's `unpadded`
+    sizes (see `models.layers.PADDABLE_AXES`): the true part read by `rule`, zeros after it."""
+    bounds = _bounds(index, shape)
+    if tuple(shape) == tuple(unpadded):
+        return rule.read(source, index, shape)
+    true_part = tuple(slice(min(a, n), min(b, n)) for (a, b), n in zip(bounds, unpadded))
+    block = np.zeros([b - a for a, b in bounds], np.float32)
+    if all(s.stop > s.start for s in true_part):
+        values = rule.read(source, true_part, tuple(unpadded))
+        block = block.astype(values.dtype)
+        block[tuple(slice(0, n) for n in values.shape)] = values
+    return block
+
+
 def load_state(abstract_state: nnx.State, rules: dict[str, Rule], source: TensorSource, mesh: Mesh,
                progress: bool = True, ignored=lambda name: False) -> nnx.State:
     """Fill an abstract model state with sharded arrays read from `source`, each converted
@@ -317,9 +319,11 @@ def load_state(abstract_state: nnx.State, rules: dict[str, Rule], source: Tensor
         raise ValueError(f"no checkpoint rule for parameters: {unknown}")
     for path, var in tqdm(flat, desc="Loading weights", disable=not progress, unit="tensor"):
         rule, shape = rules[_path_name(path)], tuple(var.get_value().shape)
+        unpadded = getattr(var, "unpadded_shape", shape)
         sharding = NamedSharding(mesh, logical_spec(*var.logical_axes))
         target = var.get_value().dtype
-        read = lambda index, rule=rule, shape=shape, target=target: rule.read(source, index, shape).astype(target)
+        read = lambda index, rule=rule, shape=shape, unpadded=unpadded, target=target: read_padded(
+            rule, source, index, shape, unpadded).astype(target)
         var.set_value(jax.make_array_from_callback(shape, sharding, read))
     return abstract_state
 

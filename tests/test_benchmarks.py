@@ -114,3 +114,15 @@ def test_roofline_check_smoke():
     assert "measured CPU preset" in out
     rows = [line for line in out.splitlines() if line.startswith("| 128 |")]
     assert len(rows) == 2 and all(line.rstrip().endswith("x |") for line in rows)
+
+
+def test_compare_transformers_is_checked_before_anything_is_timed(monkeypatch):
+    """A baseline that cannot run fails at once, naming the install, not after the dcpjax timing."""
+    from dcpjax.bench import throughput
+
+    with pytest.raises(SystemExit, match="Hugging Face folder, a GGUF file or a built-in pretrained model"):
+        throughput.check_transformers("tiny-llama")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    with pytest.raises(SystemExit, match=r"needs torch: pip install -e \"\.\[bench\]\""):
+        throughput.check_transformers(str(ROOT / "tests" / "fixtures" / "qwen3"))

@@ -171,6 +171,25 @@ def test_bad_requests_and_configurations():
         make(dcp=2, cp_kv_cache_interleave_size=3, block_size=16)
 
 
+def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled(monkeypatch):
+    from dcpjax import llm as llm_module
+
+    kw = dict(tp=2, kv_cache_memory_bytes=None, max_model_len=256)
+    # plenty of memory: no more than 4 sequences of 256 tokens fill (16 blocks each)
+    monkeypatch.setattr(llm_module, "host_available_bytes", lambda: 8 << 30)
+    assert make(max_num_seqs=4, **kw).kv_cache_size_tokens == 4 * 256
+    # little memory: a quarter of it, split over the 2 devices (64 sequences of 4096 would fill 64 MiB)
+    monkeypatch.setattr(llm_module, "host_available_bytes", lambda: 64 << 20)
+    assert make(**(kw | dict(max_model_len=4096))).kv_cache_memory_bytes == (64 << 20) // 4 // 2
+    # too little for one sequence: the numbers and both flags
+    monkeypatch.setattr(llm_module, "host_available_bytes", lambda: 256 << 10)
+    with pytest.raises(ValueError, match=r"max_model_len=256 needs 16 KV blocks.*--kv-cache-memory-bytes.*--max-model-len"):
+        make(**kw)
+    # the host's memory cannot be read: the fixed fallback
+    monkeypatch.setattr(llm_module, "host_available_bytes", lambda: None)
+    assert make(**(kw | dict(max_model_len=8192))).kv_cache_memory_bytes == llm_module.CPU_DEFAULT_KV_BYTES
+
+
 def test_checkpoint_problems_are_named():
     cfg, pc = TINY_MODELS["tiny-llama"], dcpjax.ParallelConfig(2)
     mesh = dcpjax.make_mesh(pc)

@@ -15,6 +15,7 @@ def test_quickstart_runs_top_to_bottom(monkeypatch):
                    resources={"metadata": {"path": str(ROOT / "colab")}}).execute()
     outputs = "".join(o.get("text", "") for cell in notebook.cells if cell.cell_type == "code" for o in cell.outputs)
     assert "greedy outputs identical at DCP 1, 2, 4" in outputs
+    assert "SmolLM2 answers identically at DCP 1 and 3" in outputs and "Paris" in outputs
     assert "DCP 4: " in outputs and "KV bytes per device" in outputs
     images = [o for cell in notebook.cells for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 4  # the capacity plot, then the sweep's three

@@ -52,5 +52,5 @@ def test_generate_cli_compares_dcp_with_dcp_1():
         cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "KV capacity 4.0x" in result.stdout and "greedy outputs identical: True" in result.stdout
+    assert "KV capacity 4.00x" in result.stdout and "greedy outputs identical: True" in result.stdout
     assert "KV cache size:" in result.stderr  # the start-up log line

@@ -102,7 +102,7 @@ def kv_capacity(engine_args: EngineArgs) -> dict[int, int]:
 
     from dcpjax.config import ParallelConfig
     from dcpjax.llm import CPU_DEFAULT_KV_BYTES
-    from dcpjax.models.config import load_model_config
+    from dcpjax.model_source import load_model_config
     from dcpjax.runner import kv_cache_layout
 
     cfg = load_model_config(engine_args.model)
@@ -123,6 +123,12 @@ def main(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.kv_cache_memory_bytes is None and engine_args.num_cpu_devices:
+        # CPU's default follows the host's free memory, which moves between the two servers:
+        # fix the budget, so that both compare at the same KV bytes per device
+        from dcpjax.llm import CPU_DEFAULT_KV_BYTES
+
+        engine_args = engine_args.with_kv_bytes(CPU_DEFAULT_KV_BYTES)
     stages, capacity = [], {}
     if args.base_url:
         stages += sweep_server(args.base_url, "server", engine_args.decode_context_parallel_size, args, headers)

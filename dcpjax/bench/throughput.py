@@ -23,8 +23,11 @@ a shared machine is not a measurement.
 whose greedy text cycles and prompts holding its cycles, where prompt lookup (ngram) proposes the
 right tokens.
 With --compare-transformers, Hugging Face transformers' `generate` runs the same
-folder and prompts in the same process (greedy, `min_new_tokens` = `max_new_tokens`,
-the equivalent of ignore_eos) and the ratio is printed; it needs `pip install -e ".[bench]"`.
+model (a folder, a GGUF file or the built-in "smollm2-135m-instruct": transformers reads
+the GGUF with its own loader) and prompts in the same process under the same stopping
+rule: greedy, EOS not a stop (`eos_token_id=None`, as dcpjax's ignore_eos: an argmax EOS
+is emitted and decoding goes on), exactly `output_len` tokens; the ratio is printed. It
+needs `pip install -e ".[bench]"`, checked before anything is timed.
 """
 
 from __future__ import annotations
@@ -131,23 +134,54 @@ def _sampling_ms(vocab: int, batch: int) -> float:
     return 1e3 * median_seconds(lambda: fn(logits), 20)
 
 
-def _transformers_generate(folder: str, prompts: list[list[int]], output_len: int, iters: int) -> dict:
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        raise SystemExit(f"--compare-transformers needs torch and transformers: pip install -e \".[bench]\" ({e})")
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def check_transformers(model: str) -> None:
+    """Fail before any timing if the transformers baseline cannot run (missing extras, a
+    built-in random model transformers does not have)."""
+    from dcpjax.model_source import BUILTIN_GGUF, model_path
+    from dcpjax.models.config import TINY_MODELS
+
+    if model in TINY_MODELS:
+        raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder, a GGUF file or a built-in "
+                         f"pretrained model ({', '.join(BUILTIN_GGUF)}); benchmarks/make_hf_llama.py writes a tiny Llama")
+    needed = ["torch", "transformers"] + (["gguf", "accelerate"] if model_path(model).endswith(".gguf") else [])
+    import importlib.util
+
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        raise SystemExit(f"--compare-transformers needs {', '.join(missing)}: pip install -e \".[bench]\"")
+
+
+def _load_transformers(model: str):
+    import pathlib
+
+    import torch
+    import transformers
+
+    from dcpjax.model_source import model_path
+
+    path = pathlib.Path(model_path(model))
+    if path.is_file():  # GGUF: transformers' own loader, dequantized
+        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                 dtype=torch.float32)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+
+
+def _transformers_generate(model_name: str, prompts: list[list[int]], output_len: int, iters: int) -> dict:
+    import torch
+    import transformers
+
+    model = _load_transformers(model_name)
     model.eval()
+    model.generation_config.eos_token_id = None  # EOS is a token like any other: dcpjax's ignore_eos
     ids = torch.tensor(prompts, dtype=torch.long)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     kw = dict(do_sample=False, pad_token_id=pad, attention_mask=torch.ones_like(ids))
     with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=4, min_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
+        model.generate(ids[:2], max_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
         times = []
         for _ in range(iters):
             start = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kw)
+            out = model.generate(ids, max_new_tokens=output_len, **kw)
             times.append(time.perf_counter() - start)
     seconds = sorted(times)[len(times) // 2]
     generated = out[:, ids.shape[1]:]
@@ -170,12 +204,9 @@ def _without_speculation(engine: EngineArgs, prompts, params, spec_outputs, iter
 
 def run(args: argparse.Namespace) -> dict:
     """The benchmark: warm-up, timed run, synchronous pass (breakdown), transformers (optional)."""
-    from dcpjax.models.config import TINY_MODELS
-
     engine = engine_args(args)
-    if args.compare_transformers and engine.model in TINY_MODELS:
-        raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder "
-                         "(benchmarks/make_hf_llama.py writes the issue's tiny Llama)")
+    if args.compare_transformers:
+        check_transformers(engine.model)
     engine.use_cpu_devices()
     import jax
 

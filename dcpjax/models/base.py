@@ -65,11 +65,6 @@ class StepBatch:
         return dataclasses.replace(self, slots=slots.reshape(-1))
 
 
-def padded_vocab(vocab_size: int, pc: ParallelConfig) -> int:
-    """Vocabulary rows rounded up so every TP device holds the same number."""
-    return -(-vocab_size // pc.tp) * pc.tp
-
-
 class DecoderLayer(nnx.Module):
     """x + attention(norm(x)), then + mlp(norm(x))."""
 
@@ -89,11 +84,11 @@ class CausalLM(nnx.Module):
     """Embedding, layers, final norm, LM head (tied or not)."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype, make_layer: Callable[[int], DecoderLayer]):
-        vocab = padded_vocab(cfg.vocab_size, pc)
-        self.embed = VocabEmbedding(vocab, cfg.hidden_size, dtype)
+        vocab = cfg.vocab_size  # padded for the mesh by the parameters (PADDABLE_AXES)
+        self.embed = VocabEmbedding(vocab, cfg.hidden_size, dtype, pc)
         self.layers = nnx.List([make_layer(i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype, pc)
         self.vocab_size = cfg.vocab_size
 
     def __call__(self, batch: StepBatch, kv_caches: tuple[KVCache, ...], ctx: StepContext,

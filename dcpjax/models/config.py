@@ -210,18 +210,3 @@ TINY_MODELS: dict[str, ModelConfig] = {
         n_shared_experts=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
     ),
 }
-
-
-def load_model_config(name: str) -> ModelConfig:
-    """A built-in model's config, a Hugging Face folder's, a config.json's, or the "model" of a
-    deployment file (configs/*.json). ValueError if `name` is none of these."""
-    if name in TINY_MODELS:
-        return TINY_MODELS[name]
-    path = pathlib.Path(name)
-    if path.is_dir():
-        return ModelConfig.from_pretrained(path)
-    if path.is_file():
-        data = json.loads(path.read_text())
-        return ModelConfig.from_hf(data["model"] if isinstance(data.get("model"), dict) else data)
-    raise ValueError(f"model {name!r} is neither a built-in model ({', '.join(TINY_MODELS)}), a folder with "
-                     "config.json, nor a config.json file")

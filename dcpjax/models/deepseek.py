@@ -95,14 +95,14 @@ class MLAttention(nnx.Module):
 class GroupedTopKMoE(nnx.Module):
     """DeepSeek-V3 experts: routed (grouped top-k of sigmoid scores) + shared."""
 
-    def __init__(self, cfg: ModelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
         hidden, experts, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param((hidden, experts), ("embed", None), jnp.float32)
         self.correction_bias = param((experts,), (None,), jnp.float32, init="zeros")
-        self.gate = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype)
-        self.up = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype)
-        self.down = param((experts, inter, hidden), ("experts", "moe_ffw", "embed"), dtype)
-        self.shared = GatedMLP(hidden, inter * cfg.n_shared_experts, dtype) if cfg.n_shared_experts else None
+        self.gate = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
+        self.up = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
+        self.down = param((experts, inter, hidden), ("experts", "moe_ffw", "embed"), dtype, pc=pc)
+        self.shared = GatedMLP(hidden, inter * cfg.n_shared_experts, dtype, pc) if cfg.n_shared_experts else None
         self.top_k, self.groups, self.top_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
 
@@ -136,7 +136,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         def mlp(i):
             if i in cfg.sparse_layers:
-                return GroupedTopKMoE(cfg, dtype)
-            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+                return GroupedTopKMoE(cfg, pc, dtype)
+            return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
 
         super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(cfg, dtype, MLAttention(cfg, pc, dtype), mlp(i)))

@@ -12,12 +12,49 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.sharding.mesh import MODEL_AXES, gather_model, reduce_model
+from dcpjax.config import ParallelConfig
+from dcpjax.sharding.mesh import MODEL_AXES, gather_model, mesh_ways, reduce_model
+
+# Axes where zeros past the true size change nothing, so a size the mesh cannot split evenly
+# is rounded up instead of refused:
+#   ffw / moe_ffw: padded gate and up columns give silu(0) * 0 = 0, padded down rows add 0;
+#   vocab: padded embedding rows are never looked up, padded logits are dropped.
+PADDABLE_AXES = ("ffw", "moe_ffw", "vocab")
 
 
-def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, init: str = "normal") -> nnx.Param:
-    """A parameter placeholder; values come from a checkpoint or `init` ("normal", "ones", "zeros")."""
-    return nnx.Param(jnp.zeros(shape, dtype), logical_axes=logical_axes, init=init)
+def padded_size(size: int, logical_axis: str | None, pc: ParallelConfig) -> int:
+    """`size` rounded up to a multiple of the shards of `logical_axis` (if it is paddable)."""
+    if logical_axis not in PADDABLE_AXES:
+        return size
+    ways = mesh_ways(logical_axis, pc)
+    return -(-size // ways) * ways
+
+
+def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, init: str = "normal",
+          pc: ParallelConfig | None = None) -> nnx.Param:
+    """A parameter placeholder; values come from a checkpoint or `init` ("normal", "ones", "zeros").
+
+    `shape` is the model's true shape; with `pc`, the paddable axes are rounded up for its mesh
+    (zeros there: see `PADDABLE_AXES`). `unpadded_shape` keeps the true shape for loaders and
+    checkpoints.
+    """
+    padded = shape if pc is None else tuple(padded_size(n, a, pc) for n, a in zip(shape, logical_axes))
+    return nnx.Param(jnp.zeros(padded, dtype), logical_axes=logical_axes, init=init, unpadded_shape=tuple(shape))
+
+
+def unsplittable_dims(state: nnx.State, pc: ParallelConfig) -> list[str]:
+    """Every parameter dimension the mesh cannot split evenly, one sentence each (empty: all fit).
+    Paddable axes never appear (they are padded); the others must divide."""
+    problems = []
+    for path, var in nnx.to_flat_state(state):
+        for i, (n, axis) in enumerate(zip(var.get_value().shape, var.logical_axes)):
+            ways = mesh_ways(axis, pc)
+            if n % ways:
+                name = ".".join(str(getattr(p, "key", p)) for p in path)
+                fits = [w for w in range(1, min(n, 64) + 1) if n % w == 0]
+                problems.append(f"parameter {name} dimension {i} ({axis!r}, size {n}) cannot be split over {ways} "
+                                f"devices; split counts that divide it: {fits}")
+    return problems
 
 
 class RMSNorm(nnx.Module):
@@ -36,10 +73,10 @@ class RMSNorm(nnx.Module):
 class GatedMLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); ffw split over all TP devices."""
 
-    def __init__(self, hidden: int, intermediate: int, dtype):
-        self.gate = param((hidden, intermediate), ("embed", "ffw"), dtype)
-        self.up = param((hidden, intermediate), ("embed", "ffw"), dtype)
-        self.down = param((intermediate, hidden), ("ffw", "embed"), dtype)
+    def __init__(self, hidden: int, intermediate: int, dtype, pc: ParallelConfig):
+        self.gate = param((hidden, intermediate), ("embed", "ffw"), dtype, pc=pc)
+        self.up = param((hidden, intermediate), ("embed", "ffw"), dtype, pc=pc)
+        self.down = param((intermediate, hidden), ("ffw", "embed"), dtype, pc=pc)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
@@ -50,8 +87,8 @@ class GatedMLP(nnx.Module):
 class VocabEmbedding(nnx.Module):
     """Embedding table split by vocabulary rows over all TP devices."""
 
-    def __init__(self, vocab_padded: int, hidden: int, dtype):
-        self.weight = param((vocab_padded, hidden), ("vocab", "embed"), dtype)
+    def __init__(self, vocab: int, hidden: int, dtype, pc: ParallelConfig):
+        self.weight = param((vocab, hidden), ("vocab", "embed"), dtype, pc=pc)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [...] int -> [..., hidden]: each device looks up the ids it holds, then psum."""
@@ -67,8 +104,8 @@ class VocabEmbedding(nnx.Module):
 
 
 class LMHead(nnx.Module):
-    def __init__(self, hidden: int, vocab_padded: int, dtype):
-        self.weight = param((hidden, vocab_padded), ("embed", "vocab"), dtype)
+    def __init__(self, hidden: int, vocab: int, dtype, pc: ParallelConfig):
+        self.weight = param((hidden, vocab), ("embed", "vocab"), dtype, pc=pc)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
@@ -101,11 +138,12 @@ def routed_experts(x, experts, weights, w_gate, w_up, w_down):
 class SparseMoE(nnx.Module):
     """Top-k softmax-routed experts (Qwen3-MoE); each expert's FFW split over all TP devices."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype,
+                 pc: ParallelConfig):
         self.router = param((hidden, num_experts), ("embed", None), dtype)
-        self.gate = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype)
-        self.up = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype)
-        self.down = param((num_experts, intermediate, hidden), ("experts", "moe_ffw", "embed"), dtype)
+        self.gate = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
+        self.up = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
+        self.down = param((num_experts, intermediate, hidden), ("experts", "moe_ffw", "embed"), dtype, pc=pc)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -68,11 +68,11 @@ class LlamaAttention(nnx.Module):
         return reduce_model(out), kv
 
 
-def llama_mlp(cfg: ModelConfig, dtype, index: int) -> nnx.Module:
+def llama_mlp(cfg: ModelConfig, pc: ParallelConfig, dtype, index: int) -> nnx.Module:
     if index in cfg.sparse_layers:
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob, dtype)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+                         cfg.norm_topk_prob, dtype, pc)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -80,4 +80,4 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(
-            cfg, dtype, LlamaAttention(cfg, pc, dtype), llama_mlp(cfg, dtype, i)))
+            cfg, dtype, LlamaAttention(cfg, pc, dtype), llama_mlp(cfg, pc, dtype, i)))

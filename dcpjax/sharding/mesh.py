@@ -8,6 +8,7 @@ change of one line here, not a hunt through every layer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -42,6 +43,12 @@ LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
     "experts": None,  # every device holds a slice of every expert (no expert parallelism yet)
     "vocab": (TP_AXIS, DCP_AXIS),
 }
+
+
+def mesh_ways(logical_axis: str | None, pc: ParallelConfig) -> int:
+    """How many shards `LOGICAL_AXIS_RULES` cuts a dimension with this logical name into."""
+    sizes = {TP_AXIS: pc.kv_head_groups, DCP_AXIS: pc.dcp}
+    return math.prod(sizes[a] for a in LOGICAL_AXIS_RULES.get(logical_axis) or ()) if logical_axis else 1
 
 
 def reduce_model(x: jax.Array) -> jax.Array:

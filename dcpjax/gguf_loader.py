@@ -1,0 +1,229 @@
+"""GGUF files (llama.cpp's format) as a dcpjax model: config, weights and tokenizer.
+
+Read with the `gguf` package (llama.cpp's own reader): `GGUFReader` maps the file,
+`gguf.quants.dequantize` turns any quantization type it supports into float32. The
+tensors are exposed under their Hugging Face names and shapes (`GGUFSource`), so the
+same `weights.model_rules` load them as they load safetensors, each device reading
+only its slice: a slice of whole rows is cut from the file before dequantizing (a
+quantization block never spans two rows); a slice of columns needs the whole row.
+
+Two things llama.cpp's converter changed are undone here:
+- names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on;
+- for the `llama` architecture, the rows of Q and K are permuted per head (its RoPE
+  rotates adjacent pairs; Hugging Face's rotates the two halves): row `2i + j` of a head
+  in the file is row `j * d/2 + i` of the Hugging Face tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import re
+from typing import Any
+
+import numpy as np
+
+from dcpjax.weights import TensorSource
+
+GGUF_INSTALL = "pip install gguf"
+# GGUF architecture -> the transformers architecture dcpjax builds for it
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_QK = ("llama",)  # llama.cpp's converter permutes Q/K rows only for these
+DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def is_gguf(path: str | pathlib.Path) -> bool:
+    """A GGUF file: a `.gguf` name, or the format's magic bytes."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix == ".gguf":
+        return True
+    with path.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def _gguf_module():
+    try:
+        import gguf
+    except ImportError as error:
+        raise ImportError(f"reading a GGUF file needs the gguf package: {GGUF_INSTALL}") from error
+    return gguf
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: str):
+    """The file's `GGUFReader` (memory-mapped; cached, so config, tokenizer and weights share it)."""
+    gguf = _gguf_module()
+    try:
+        return gguf.GGUFReader(path)
+    except (ValueError, OSError) as error:
+        raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
+
+
+def metadata(reader) -> dict[str, Any]:
+    """Every key-value field of the file, as Python values (arrays as lists)."""
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (None: not one dcpjax uses)."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER.fullmatch(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def _architecture(meta: dict[str, Any], path: str) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)} (the Llama family)")
+    return arch
+
+
+def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """The file's model as a Hugging Face `config.json` dict (for `ModelConfig.from_hf`)."""
+    path = str(path)
+    reader = open_gguf(path)
+    meta = metadata(reader)
+    arch = _architecture(meta, path)
+    get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
+    names = {t.name for t in reader.tensors}
+    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rotary = get("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        raise ValueError(f"{path}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not read "
+                         "from GGUF yet; load the model's Hugging Face folder instead")
+    config = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": int(embed.shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": _float32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "rope_theta": _float32(get("rope.freq_base", DEFAULT_ROPE_THETA[arch])),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise ValueError(f"{path}: RoPE scaling {scaling!r} in GGUF is not supported (only linear)")
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _float32(get("rope.scaling.factor"))}
+    return config
+
+
+def _float32(value) -> float:
+    """A float32 field as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+class GGUFSource(TensorSource):
+    """The tensors of a GGUF file under Hugging Face names and shapes ([out, in] for a Linear),
+    dequantized to float32 on read."""
+
+    def __init__(self, path: str | pathlib.Path):
+        self.path = str(path)
+        reader = open_gguf(self.path)
+        meta = metadata(reader)
+        arch = _architecture(meta, self.path)
+        self.quants = _gguf_module().quants
+        self.tensors = {}
+        for tensor in reader.tensors:
+            name = hf_name(tensor.name)
+            if name is not None:
+                self.tensors[name] = tensor
+        heads = int(meta[f"{arch}.attention.head_count"])
+        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+        self.row_order: dict[str, np.ndarray] = {}  # HF row -> file row, for the permuted Q/K tensors
+        if arch in PERMUTED_QK:
+            for name, tensor in self.tensors.items():
+                for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
+                    if f".self_attn.{proj}." in name:
+                        self.row_order[name] = _unpermute_rows(int(tensor.shape[-1]), n)
+        self._last: tuple[str, np.ndarray] | None = None  # the last whole tensor: devices ask for it in turn
+
+    def names(self) -> set[str]:
+        return set(self.tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self.tensors[name].shape))
+
+    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        tensor, shape = self.tensors[name], self.shape(name)
+        index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+        rows = np.arange(*index[0].indices(shape[0]))
+        if name in self.row_order:
+            rows = self.row_order[name][rows]
+        if len(rows) == shape[0] and name not in self.row_order:
+            values = self._whole(name)
+        else:
+            values = self._dequantize(tensor, tensor.data[rows])
+        return values[(slice(None), *index[1:])]
+
+    def _whole(self, name: str) -> np.ndarray:
+        if self._last is None or self._last[0] != name:
+            tensor = self.tensors[name]
+            self._last = (name, self._dequantize(tensor, tensor.data))
+        return self._last[1]
+
+    def _dequantize(self, tensor, data: np.ndarray) -> np.ndarray:
+        try:
+            values = self.quants.dequantize(np.asarray(data), tensor.tensor_type)
+        except NotImplementedError as error:
+            raise ValueError(f"{self.path}: tensor {tensor.name} is quantized as {tensor.tensor_type.name}, which "
+                             f"this gguf package cannot dequantize ({error}); upgrade it: {GGUF_INSTALL} -U") from error
+        return values.astype(np.float32, copy=False)
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """For each Hugging Face row of a Q or K projection, the row of llama.cpp's permuted tensor."""
+    head_dim = rows // heads
+    hf = np.arange(rows)
+    head, within = hf // head_dim, hf % head_dim
+    half, i = within // (head_dim // 2), within % (head_dim // 2)
+    return head * head_dim + 2 * i + half
+
+
+def tokenizer(path: str | pathlib.Path):
+    """The tokenizer (an `HFTokenizer`) and chat template the file's metadata carries; None if it
+    carries none (prompts must then be token ids, as for a folder without tokenizer.json)."""
+    from dcpjax.gguf_tokenizer import gguf_tokenizer
+
+    meta = metadata(open_gguf(str(path)))
+    return gguf_tokenizer(meta, str(path)) if "tokenizer.ggml.model" in meta else None

