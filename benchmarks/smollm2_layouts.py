@@ -22,9 +22,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXPECTED = json.loads((ROOT / "tests" / "fixtures" / "smollm2" / "expected.json").read_text())
-LAYOUTS = [
-    dict(tensor_parallel_size=1, decode_context_parallel_size=1),
-    dict(tensor_parallel_size=3, decode_context_parallel_size=1),
+# every layout of 9 query / 3 KV heads with DCP > 1 is TP 9 / DCP 3; TP 9 / DCP 1 pads the MLP (1536 % 9 != 0)
+DCP_LAYOUTS = [
     dict(tensor_parallel_size=9, decode_context_parallel_size=1),
     dict(tensor_parallel_size=9, decode_context_parallel_size=3),
     dict(tensor_parallel_size=9, decode_context_parallel_size=3, dcp_comm_backend="a2a"),
@@ -32,18 +31,35 @@ LAYOUTS = [
     dict(tensor_parallel_size=9, decode_context_parallel_size=3, cp_kv_cache_interleave_size=16,
          dcp_comm_backend="a2a"),
 ]
+LAYOUTS = [dict(tensor_parallel_size=1, decode_context_parallel_size=1),
+           dict(tensor_parallel_size=3, decode_context_parallel_size=1), *DCP_LAYOUTS]
 
 
-def job() -> dict:
+def job(layouts: list[dict], kv_bytes: int) -> dict:
+    """The fixture's workload at `layouts` (same KV bytes per device), as three `generate` calls:
+    greedy prompts (EOS ignored), the prompt-logprob text, the needle (one 4096-token chunk takes
+    it whole: one prefill shape per layout, so few compilations)."""
     greedy = [{"prompt_token_ids": c["prompt"], "sampling": dict(temperature=0, max_tokens=len(c["greedy"]),
                                                                   ignore_eos=True)} for c in EXPECTED["greedy"]]
     logprobs = [{"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"],
                  "sampling": dict(temperature=0, max_tokens=1, prompt_logprobs=1)}]
     needle = [{"prompt_token_ids": EXPECTED["needle"][0]["prompt"], "sampling": dict(temperature=0, max_tokens=16)}]
-    return {"num_cpu_devices": 9, "model": "smollm2-135m-instruct", "layouts": LAYOUTS,
+    return {"num_cpu_devices": 9, "model": "smollm2-135m-instruct", "layouts": layouts,
             "engine": dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=4096,
-                           kv_cache_memory_bytes=96 << 20),
+                           kv_cache_memory_bytes=kv_bytes),
             "batches": [greedy, logprobs, needle]}
+
+
+def run_layouts(job: dict) -> list[dict]:
+    """Each layout's run (tests/layout_worker.py in a fresh process: 9 fake CPU devices)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "layout_worker.py")], input=json.dumps(job),
+                          env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode:
+        raise RuntimeError(f"layout_worker.py failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout)["layouts"]
 
 
 def rows(runs: list[dict]) -> list[dict]:
@@ -68,17 +84,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "layout_worker.py")], input=json.dumps(job()),
-                          capture_output=True, text=True, check=False)
-    if done.returncode:
-        print(done.stderr[-3000:], file=sys.stderr)
-        return 1
-    table = rows(json.loads(done.stdout)["layouts"])
+    table = rows(run_layouts(job(LAYOUTS, 256 << 20)))
     if args.json:
         print(json.dumps(table, indent=1))
         return 0
     print("| TP | DCP | comm | I | greedy = transformers | max abs prompt-logprob error | needle (3,059 tokens) "
-          "| KV tokens (96 MiB / device) | run s |")
+          "| KV tokens (256 MiB / device) | run s |")
     print("|---:|---:|---|---:|---:|---:|---|---:|---:|")
     for r in table:
         lay = r["layout"]

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare_dcp_1 and args.decode_context_parallel_size > 1:
         runs.append(1)
     results = {}
-    for dcp in runs:
+    for dcp in sorted(runs):  # DCP 1 first: its budget holds one sequence wherever DCP k's does
         llm = engine_args.with_dcp(dcp).create_llm()
         # the comparison is at equal KV bytes per device: the first run's (chosen or sized) budget
         engine_args = engine_args.with_kv_bytes(llm.kv_cache_memory_bytes)

@@ -16,6 +16,7 @@ Two things llama.cpp's converter changed are undone here:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pathlib
 import re
@@ -74,19 +75,37 @@ def _gguf_module():
     return gguf
 
 
+@dataclasses.dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: its memory-mapped `gguf.GGUFReader` and its key-value metadata (arrays as lists)."""
+
+    path: str
+    reader: Any
+    meta: dict[str, Any]
+
+    def required(self, key: str) -> Any:
+        """A metadata field the model cannot do without; ValueError naming it if absent."""
+        if key not in self.meta:
+            raise ValueError(f"{self.path}: GGUF metadata has no {key!r}; the file is incomplete or not a model")
+        return self.meta[key]
+
+
+def open_gguf(path: str | pathlib.Path) -> GGUFFile:
+    """The parsed file (cached while the file is unchanged, so config, tokenizer and weights share one parse)."""
+    resolved = pathlib.Path(path).resolve()
+    stat = resolved.stat()
+    return _parse(str(resolved), stat.st_mtime_ns, stat.st_size)
+
+
 @functools.lru_cache(maxsize=4)
-def open_gguf(path: str):
-    """The file's `GGUFReader` (memory-mapped; cached, so config, tokenizer and weights share it)."""
+def _parse(path: str, mtime_ns: int, size: int) -> GGUFFile:
     gguf = _gguf_module()
     try:
-        return gguf.GGUFReader(path)
-    except (ValueError, OSError) as error:
-        raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
-
-
-def metadata(reader) -> dict[str, Any]:
-    """Every key-value field of the file, as Python values (arrays as lists)."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+        reader = gguf.GGUFReader(path)
+        meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    except Exception as error:  # the reader raises what its parsing meets: a truncated or foreign file
+        raise ValueError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}") from error
+    return GGUFFile(path, reader, meta)
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -99,44 +118,57 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _architecture(meta: dict[str, Any], path: str) -> str:
-    arch = meta.get("general.architecture")
+def _architecture(file: GGUFFile) -> str:
+    arch = file.meta.get("general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported; supported: "
+        raise ValueError(f"{file.path}: GGUF architecture {arch!r} is not supported; supported: "
                          f"{', '.join(ARCHITECTURES)} (the Llama family)")
+    if file.meta.get(f"{arch}.expert_count"):
+        raise ValueError(f"{file.path}: a mixture-of-experts GGUF ({arch} with {file.meta[f'{arch}.expert_count']} "
+                         "experts) is not supported; load the model's Hugging Face folder instead")
     return arch
+
+
+def _count(file: GGUFFile, key: str, default: int | None = None) -> int:
+    """An integer field (one value for every layer: llama.cpp may store a per-layer array)."""
+    value = file.meta.get(key, default) if default is not None else file.required(key)
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise ValueError(f"{file.path}: {key} differs across layers ({sorted(set(value))}), which dcpjax does "
+                             "not support")
+        value = value[0]
+    return int(value)
 
 
 def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
     """The file's model as a Hugging Face `config.json` dict (for `ModelConfig.from_hf`)."""
-    path = str(path)
-    reader = open_gguf(path)
-    meta = metadata(reader)
-    arch = _architecture(meta, path)
+    file = open_gguf(path)
+    path, meta, arch = file.path, file.meta, _architecture(file)
     get = lambda key, default=None: meta.get(f"{arch}.{key}", default)
-    names = {t.name for t in reader.tensors}
-    embed = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    tensors = {t.name: t for t in file.reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{path}: no token_embd.weight tensor; the file is incomplete or not a model")
+    hidden, heads = _count(file, f"{arch}.embedding_length"), _count(file, f"{arch}.attention.head_count")
     head_dim = int(get("attention.key_length", hidden // heads))
     rotary = get("rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings ({rotary} of {head_dim} dims) are not supported")
-    if "rope_freqs.weight" in names:
+    if "rope_freqs.weight" in tensors:
         raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not read "
                          "from GGUF yet; load the model's Hugging Face folder instead")
     config = {
         "architectures": [ARCHITECTURES[arch]],
-        "vocab_size": int(embed.shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
-        "num_hidden_layers": int(get("block_count")),
+        "intermediate_size": _count(file, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _count(file, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": _count(file, f"{arch}.attention.head_count_kv", heads),
         "head_dim": head_dim,
         "rms_norm_eps": _float32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 4096)),
         "rope_theta": _float32(get("rope.freq_base", DEFAULT_ROPE_THETA[arch])),
-        "tie_word_embeddings": "output.weight" not in names,
+        "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
@@ -155,21 +187,16 @@ def _float32(value) -> float:
 
 class GGUFSource(TensorSource):
     """The tensors of a GGUF file under Hugging Face names and shapes ([out, in] for a Linear),
-    dequantized to float32 on read."""
+    dequantized to float32 on read. A tensor dcpjax has no name for keeps its llama.cpp name,
+    so the checkpoint check reports it as unexpected instead of dropping it."""
 
     def __init__(self, path: str | pathlib.Path):
-        self.path = str(path)
-        reader = open_gguf(self.path)
-        meta = metadata(reader)
-        arch = _architecture(meta, self.path)
+        file = open_gguf(path)
+        self.path, arch = file.path, _architecture(file)
         self.quants = _gguf_module().quants
-        self.tensors = {}
-        for tensor in reader.tensors:
-            name = hf_name(tensor.name)
-            if name is not None:
-                self.tensors[name] = tensor
-        heads = int(meta[f"{arch}.attention.head_count"])
-        kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
+        self.tensors = {hf_name(t.name) or t.name: t for t in file.reader.tensors}
+        heads = _count(file, f"{arch}.attention.head_count")
+        kv_heads = _count(file, f"{arch}.attention.head_count_kv", heads)
         self.row_order: dict[str, np.ndarray] = {}  # HF row -> file row, for the permuted Q/K tensors
         if arch in PERMUTED_QK:
             for name, tensor in self.tensors.items():
@@ -225,5 +252,5 @@ def tokenizer(path: str | pathlib.Path):
     carries none (prompts must then be token ids, as for a folder without tokenizer.json)."""
     from dcpjax.gguf_tokenizer import gguf_tokenizer
 
-    meta = metadata(open_gguf(str(path)))
-    return gguf_tokenizer(meta, str(path)) if "tokenizer.ggml.model" in meta else None
+    file = open_gguf(path)
+    return gguf_tokenizer(file.meta, file.path) if "tokenizer.ggml.model" in file.meta else None

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from dcpjax.chat_template import ChatTemplate, text_content
 from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
 from dcpjax.engine import Engine, Sequence
@@ -99,7 +100,8 @@ def _kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_u
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
         return int(requested)
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    free = min(_free_bytes(d, utilization, len(mine)) for d in mine)
+    # CPU processes are assumed to share one host (how multi-process CPU runs here): each takes its part
+    free = min(_free_bytes(d, utilization, len(mine) * jax.process_count()) for d in mine)
     if mine[0].platform == "cpu" and most_useful is not None:
         free = min(free, most_useful)
     if jax.process_count() > 1:
@@ -204,6 +206,7 @@ class LLM:
                     f"{pc.dcp}), up to {kv.num_blocks} cached blocks" if enable_prefix_caching else "off")
         self.seed = seed
         self._request_ids = itertools.count()
+        self._chat_templates: dict[str | None, ChatTemplate] = {}
 
     def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv, attention_backend: str,
                   max_num_seqs: int):
@@ -218,7 +221,7 @@ class LLM:
         """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
         spec.check_draft_tp(self.parallel_config.tp)
         model = spec.model
-        draft_source = model_source(model, self.parallel_config, seed)
+        draft_source = model_source(model, self.parallel_config, seed, with_tokenizer=False)
         cfg, weights = draft_source.config, draft_source.weights
         target = self.model_config
         if cfg.vocab_size != target.vocab_size:
@@ -293,7 +296,9 @@ class LLM:
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model folder has no tokenizer.json: pass {'prompt_token_ids': [...]}")
+                raise ValueError("this model has no tokenizer (a folder without tokenizer.json, or a GGUF without "
+                                 "tokenizer metadata): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
+                                 "Face folder")
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
@@ -345,18 +350,19 @@ class LLM:
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (vLLM's `LLM.chat`): one conversation (a list of
-        {"role", "content"} messages) or a list of them, rendered with the model's chat template
-        (or `chat_template`: a file, an inline template or a template name) exactly as the server
-        renders it, then generated as `generate` does."""
-        from dcpjax.serve.chat import ChatTemplate
-
+        {"role", "content"} messages; content a string or OpenAI's text parts) or a list of them,
+        rendered with the model's chat template (or `chat_template`: a file, an inline template or
+        a template name) as the server renders it, then generated as `generate` does."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one (pass tokenizer= a Hugging Face folder)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        template = ChatTemplate(self.tokenizer, chat_template)
+        if chat_template not in self._chat_templates:  # compiled once per template
+            self._chat_templates[chat_template] = ChatTemplate(self.tokenizer, chat_template)
+        template = self._chat_templates[chat_template]
         prompts = []
         for conversation in conversations:
-            text = template.render(list(conversation), add_generation_prompt=add_generation_prompt,
+            turns = [{**m, "content": text_content(m.get("content"))} for m in conversation]
+            text = template.render(turns, add_generation_prompt=add_generation_prompt,
                                    chat_template_kwargs=chat_template_kwargs)
             # the template writes the special tokens itself (as the server does)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})

@@ -71,25 +71,40 @@ def _unknown(model: str) -> ValueError:
                       f"folder with config.json, nor a .gguf file{hint}")
 
 
+def model_kind(model: str) -> str:
+    """What `model` names: "tiny", "hf" (a folder with config.json), "gguf", "json" (a
+    config.json or deployment file: a config, no weights); ValueError if none of these."""
+    from dcpjax import gguf_loader
+
+    if model in TINY_MODELS:
+        return "tiny"
+    path = pathlib.Path(model_path(model))
+    if (path / "config.json").is_file():
+        return "hf"
+    if gguf_loader.is_gguf(path):
+        return "gguf"
+    if path.is_file() and path.suffix == ".json":
+        return "json"
+    raise _unknown(model)
+
+
 def load_model_config(name: str) -> ModelConfig:
     """The config of a built-in model, a Hugging Face folder, a GGUF file, a config.json, or the
     "model" of a deployment file (configs/*.json). ValueError if `name` is none of these."""
     from dcpjax import gguf_loader
 
-    if name in TINY_MODELS:
+    kind, path = model_kind(name), model_path(name)
+    if kind == "tiny":
         return TINY_MODELS[name]
-    path = pathlib.Path(model_path(name))
-    if path.is_dir():
+    if kind == "hf":
         return ModelConfig.from_pretrained(path)
-    if gguf_loader.is_gguf(path):
+    if kind == "gguf":
         return ModelConfig.from_hf(gguf_loader.hf_config(path))
-    if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path} is not a JSON config: {error}") from None
-        return ModelConfig.from_hf(data["model"] if isinstance(data.get("model"), dict) else data)
-    raise _unknown(name)
+    try:
+        data = json.loads(pathlib.Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a JSON config: {error}") from None
+    return ModelConfig.from_hf(data["model"] if isinstance(data.get("model"), dict) else data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,25 +116,29 @@ class ModelSource:
     weights: Callable[[], TensorSource]
 
 
-def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None) -> ModelSource:
-    """Resolve `model` (see the module docstring); `tokenizer`: a Hugging Face folder to use instead."""
+def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None,
+                 with_tokenizer: bool = True) -> ModelSource:
+    """Resolve `model` (see the module docstring). `tokenizer`: a Hugging Face folder to use
+    instead of the model's own (whose tokenizer is then never built: a GGUF tokenizer dcpjax
+    cannot rebuild is no obstacle); `with_tokenizer=False`: none at all (a draft model)."""
     from dcpjax import gguf_loader
 
-    if model in TINY_MODELS:
-        cfg = TINY_MODELS[model]
-        source = ModelSource(cfg, ByteTokenizer(), lambda: random_checkpoint(cfg, pc, seed))
-    else:
-        path = model_path(model)
-        if (pathlib.Path(path) / "config.json").is_file():
-            source = ModelSource(ModelConfig.from_pretrained(path), load_tokenizer(path),
-                                 lambda: SafetensorsSource(path))
-        elif gguf_loader.is_gguf(path):
-            source = ModelSource(ModelConfig.from_hf(gguf_loader.hf_config(path)), gguf_loader.tokenizer(path),
-                                 lambda: gguf_loader.GGUFSource(path))
-        else:
-            raise _unknown(model)
-    if tokenizer is None:
-        return source
-    if not (pathlib.Path(tokenizer) / "tokenizer.json").is_file():
+    if tokenizer is not None and not (pathlib.Path(tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"tokenizer {tokenizer!r} is not a Hugging Face folder with tokenizer.json")
-    return dataclasses.replace(source, tokenizer=load_tokenizer(tokenizer))
+    kind, path = model_kind(model), model_path(model)
+    own = with_tokenizer and tokenizer is None
+    if kind == "tiny":
+        cfg = TINY_MODELS[model]
+        source = ModelSource(cfg, ByteTokenizer() if own else None, lambda: random_checkpoint(cfg, pc, seed))
+    elif kind == "hf":
+        source = ModelSource(ModelConfig.from_pretrained(path), load_tokenizer(path) if own else None,
+                             lambda: SafetensorsSource(path))
+    elif kind == "gguf":
+        source = ModelSource(ModelConfig.from_hf(gguf_loader.hf_config(path)),
+                             gguf_loader.tokenizer(path) if own else None, lambda: gguf_loader.GGUFSource(path))
+    else:
+        raise ValueError(f"model {model!r} is a JSON config without weights: pass a Hugging Face folder, a GGUF "
+                         "file or a built-in model (configs/*.json are for python -m dcpjax.plan)")
+    if tokenizer is not None and with_tokenizer:
+        source = dataclasses.replace(source, tokenizer=load_tokenizer(tokenizer))
+    return source

@@ -45,20 +45,24 @@ def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.Gr
     return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
 
 
-def layout_problems(cfg: ModelConfig, pc: ParallelConfig) -> list[str]:
+def layout_problems(cfg: ModelConfig, pc: ParallelConfig, state: nnx.State | None = None) -> list[str]:
     """Why this model cannot run on `pc`'s mesh, one sentence each (empty: it can): the TP/DCP
-    rules, then any parameter dimension the mesh cannot split. The one check of `build_model`
-    and the planner, so a layout reported valid also loads."""
+    rules, then any parameter dimension the mesh cannot split (of `state`, the abstract model,
+    built here if not given). The one check of `build_model` and the planner, so a layout
+    reported valid also loads."""
     broken = pc.model_rule_violations(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
-    return broken or unsplittable_dims(_abstract_model(cfg, pc, jnp.float32)[1], pc)
+    if broken:
+        return broken
+    return unsplittable_dims(state if state is not None else _abstract_model(cfg, pc, jnp.float32)[1], pc)
 
 
 def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's structure and its abstract (shape-only) parameters, checked against the mesh
-    before any weight is read (ValueError names the rule or the dimension)."""
+    before any weight is read (ValueError names the rule, with the DCP sizes that would be
+    valid, or the dimension)."""
     pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
     graphdef, state = _abstract_model(cfg, pc, dtype)
-    problems = unsplittable_dims(state, pc)
+    problems = layout_problems(cfg, pc, state)
     if problems:
         raise ValueError(f"tensor_parallel_size={pc.tp}, decode_context_parallel_size={pc.dcp} cannot hold this "
                          f"model: " + "; ".join(problems))

@@ -17,6 +17,7 @@ LAYERS = {
     "models": LATER[2:],
     "runner": ["scheduler", "output_processor", *LATER[3:]],
     "engine": LATER[4:],
+    "llm": LATER[5:],  # the offline API: the server and benchmarks build on it, never the reverse
 }
 
 

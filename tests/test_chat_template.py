@@ -12,9 +12,9 @@ import pathlib
 import jinja2
 import pytest
 
+from dcpjax import chat_template as chat
+from dcpjax.chat_template import ChatTemplate, ChatTemplateError
 from dcpjax.serve import __main__ as serve_main
-from dcpjax.serve import chat
-from dcpjax.serve.chat import ChatTemplate, ChatTemplateError
 from dcpjax.tokenizer import HFTokenizer, load_tokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
@@ -77,7 +77,7 @@ def test_cases_cover_the_environment():
 
 def test_matches_transformers_live(tokenizer_folders):
     pytest.importorskip("transformers")
-    from dcpjax.serve.chat import DEFAULT_CHAT_TEMPLATE
+    from dcpjax.chat_template import DEFAULT_CHAT_TEMPLATE
 
     for case, case_id in zip(CASES, IDS, strict=True):
         template = None if "chat_template" in DATA["templates"][case["template"]] else DEFAULT_CHAT_TEMPLATE

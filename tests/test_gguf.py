@@ -12,6 +12,7 @@ test_smollm2.py.
 import json
 import sys
 
+import gguf
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
@@ -21,7 +22,6 @@ from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
 from dcpjax.weights import random_checkpoint
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 45))}]
 PARAMS = dcpjax.SamplingParams(temperature=0, max_tokens=10, logprobs=3)
@@ -66,13 +66,14 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
-def write_pair(tmp_path, arch: str, qtype, tied: bool):
-    """The same model as a GGUF file (quantized) and a Hugging Face folder (its dequantized values)."""
+def write_pair(tmp_path, arch: str, qtype, tied: bool, tokenizer_model: str = "gpt2", edit=lambda writer: None):
+    """The same model as a GGUF file (quantized) and a Hugging Face folder (its dequantized values).
+    `edit(writer)` adds fields or tensors before the file is written."""
     config = BASE | dict(architectures=[ARCH[arch]], tie_word_embeddings=tied, rope_theta=50000.0)
     cfg = ModelConfig.from_hf(config)
     source = random_checkpoint(cfg, ParallelConfig(1), seed=5, std=0.2)
     folder = tmp_path / "hf"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config))
     path = tmp_path / f"{arch}.gguf"
     writer = gguf.GGUFWriter(str(path), arch)
@@ -86,7 +87,7 @@ def write_pair(tmp_path, arch: str, qtype, tied: bool):
     writer.add_rope_freq_base(50000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     tokens = byte_tokens() + ["<s>", "</s>"] + [f"<extra_{i}>" for i in range(BASE["vocab_size"] - 258)]
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_token_list(tokens)
     writer.add_token_types([1] * 256 + [3, 3] + [4] * (len(tokens) - 258))
     writer.add_token_merges([])
@@ -106,6 +107,7 @@ def write_pair(tmp_path, arch: str, qtype, tied: bool):
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name), stored)
+    edit(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -143,11 +145,10 @@ def test_gguf_decodes_as_the_folder_it_was_written_from(tmp_path, arch, qtype, t
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (256, 257)
 
 
-def test_a_tokenizer_folder_replaces_the_files(tmp_path):
+def write_tokenizer_folder(folder):
+    """A Hugging Face tokenizer over the same byte vocabulary that adds BOS (the GGUF's does not)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    path, _ = write_pair(tmp_path, "qwen3", Q.Q8_0, True)
-    folder = tmp_path / "tok"
     folder.mkdir()
     tokens = byte_tokens() + ["<s>", "</s>"]
     tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
@@ -156,6 +157,12 @@ def test_a_tokenizer_folder_replaces_the_files(tmp_path):
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
                                                                "add_bos_token": True}))
+    return str(folder)
+
+
+def test_a_tokenizer_folder_replaces_the_files(tmp_path):
+    path, _ = write_pair(tmp_path, "qwen3", Q.Q8_0, True)
+    folder = write_tokenizer_folder(tmp_path / "tok")
     own = dcpjax.LLM(path, max_model_len=64, kv_cache_memory_bytes=1 << 20).get_tokenizer()
     replaced = dcpjax.LLM(path, tokenizer=str(folder), max_model_len=64, kv_cache_memory_bytes=1 << 20)
     assert own.encode("hi") == [ord("h"), ord("i")]  # the file's: no BOS added
@@ -164,11 +171,42 @@ def test_a_tokenizer_folder_replaces_the_files(tmp_path):
         dcpjax.LLM(path, tokenizer=str(tmp_path), max_model_len=64)
 
 
+def test_a_tokenizer_dcpjax_cannot_rebuild_is_no_obstacle_with_tokenizer(tmp_path):
+    path, _ = write_pair(tmp_path, "llama", Q.Q8_0, True, tokenizer_model="llama")  # SentencePiece (Llama 2)
+    with pytest.raises(ValueError, match=r"GGUF tokenizer model 'llama' is not supported.*pass tokenizer="):
+        dcpjax.LLM(path, max_model_len=64)
+    llm = dcpjax.LLM(path, tokenizer=write_tokenizer_folder(tmp_path / "tok"), max_model_len=64,
+                     kv_cache_memory_bytes=1 << 20)
+    assert llm.generate("hi", dcpjax.SamplingParams(max_tokens=2))[0].prompt_token_ids == [256, ord("h"), ord("i")]
+
+
+def test_what_dcpjax_cannot_load_is_named(tmp_path):
+    moe, _ = write_pair(tmp_path / "a", "llama", Q.Q8_0, True, edit=lambda w: w.add_expert_count(8))
+    with pytest.raises(ValueError, match="a mixture-of-experts GGUF .* is not supported"):
+        dcpjax.LLM(moe, max_model_len=64)
+    extra, _ = write_pair(tmp_path / "b", "llama", Q.Q8_0, True,
+                          edit=lambda w: w.add_tensor("blk.0.attn_output.bias", np.zeros(64, np.float32)))
+    with pytest.raises(ValueError, match="unexpected tensors: blk.0.attn_output.bias"):
+        dcpjax.LLM(extra, max_model_len=64)
+    partial = tmp_path / "partial.gguf"
+    writer = gguf.GGUFWriter(str(partial), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="GGUF metadata has no 'llama.embedding_length'"):
+        dcpjax.LLM(str(partial))
+    (tmp_path / "truncated.gguf").write_bytes(partial.read_bytes()[:40])
+    with pytest.raises(ValueError, match="is not a readable GGUF file"):
+        dcpjax.LLM(str(tmp_path / "truncated.gguf"))
+
+
 def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
     from dcpjax import gguf_loader
 
     monkeypatch.setitem(sys.modules, "gguf", None)
-    gguf_loader.open_gguf.cache_clear()
+    gguf_loader._parse.cache_clear()
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     with pytest.raises(ImportError, match="pip install gguf"):
         dcpjax.LLM(str(tmp_path / "x.gguf"))

@@ -8,10 +8,8 @@ needle-in-a-haystack answer, at TP 1, TP 3 and every DCP layout the rules accept
 (TP 9 / DCP 3, with 9 fake CPU devices in a process of its own).
 """
 
-import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
@@ -23,17 +21,12 @@ from dcpjax.model_source import builtin_gguf_path, load_model_config
 
 NAME = "smollm2-135m-instruct"
 HERE = pathlib.Path(__file__).parent
-EXPECTED = json.loads((HERE / "fixtures" / "smollm2" / "expected.json").read_text())
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+import smollm2_layouts  # the workload and layouts, shared with the benchmark
+
+EXPECTED = smollm2_layouts.EXPECTED
+DCP_LAYOUTS = smollm2_layouts.DCP_LAYOUTS
 LOGPROB_TOLERANCE = 1e-4
-# every layout of 9 query / 3 KV heads with DCP > 1 is TP 9 / DCP 3; TP 9 / DCP 1 pads the MLP (1536 % 9 != 0)
-DCP_LAYOUTS = [
-    dict(tensor_parallel_size=9, decode_context_parallel_size=1),
-    dict(tensor_parallel_size=9, decode_context_parallel_size=3),
-    dict(tensor_parallel_size=9, decode_context_parallel_size=3, dcp_comm_backend="a2a"),
-    dict(tensor_parallel_size=9, decode_context_parallel_size=3, cp_kv_cache_interleave_size=16),
-    dict(tensor_parallel_size=9, decode_context_parallel_size=3, cp_kv_cache_interleave_size=16,
-         dcp_comm_backend="a2a"),
-]
 KV_BYTES = 96 << 20  # per device, equal for every layout: DCP 3 must hold 3x the tokens of DCP 1
 
 
@@ -47,9 +40,9 @@ def gguf_path():
         pytest.skip(str(error))
 
 
-def greedy_requests(logprobs: int | None = 5):
+def greedy_requests():
     return [{"prompt_token_ids": case["prompt"],
-             "sampling": dict(temperature=0, max_tokens=len(case["greedy"]), ignore_eos=True, logprobs=logprobs)}
+             "sampling": dict(temperature=0, max_tokens=len(case["greedy"]), ignore_eos=True, logprobs=5)}
             for case in EXPECTED["greedy"]]
 
 
@@ -98,8 +91,8 @@ def test_dequantized_tensors_match_transformers(gguf_path):
 
 
 def test_tokenizer_and_chat_template_match_transformers(gguf_path):
+    from dcpjax.chat_template import ChatTemplate
     from dcpjax.gguf_loader import tokenizer as gguf_tokenizer
-    from dcpjax.serve.chat import ChatTemplate
 
     tokenizer = gguf_tokenizer(gguf_path)
     for case in EXPECTED["tokenizer"]:
@@ -155,28 +148,17 @@ def test_chat_reply(llm):
     out = llm.chat(chat["messages"], dcpjax.SamplingParams(temperature=0, max_tokens=32))[0]
     assert out.prompt_token_ids == chat["prompt"]
     assert out.outputs[0].token_ids == chat["reply"] and out.outputs[0].text == chat["reply_text"]
+    # OpenAI's text parts render as the plain string does; a list of conversations is a batch
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in chat["messages"]]
+    both = llm.chat([parts, chat["messages"]], dcpjax.SamplingParams(temperature=0, max_tokens=1))
+    assert [o.prompt_token_ids for o in both] == [chat["prompt"], chat["prompt"]]
 
 
 # -- 9 fake devices, in a process of its own: every DCP layout ----------------------------------------
 @pytest.fixture(scope="module")
 def dcp_runs(gguf_path):
-    needle = EXPECTED["needle"][0]
-    job = {
-        "num_cpu_devices": 9, "model": NAME, "layouts": DCP_LAYOUTS,
-        # one 4096-token chunk takes the whole needle prompt: one prefill shape per layout
-        "engine": dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=4096, kv_cache_memory_bytes=KV_BYTES),
-        "batches": [
-            greedy_requests(logprobs=None),  # log-probabilities are held to 1e-4 by the prompt logprobs below
-            [{"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"],
-              "sampling": dict(temperature=0, max_tokens=1, prompt_logprobs=1)}],
-            [{"prompt_token_ids": needle["prompt"], "sampling": dict(temperature=0, max_tokens=16)}],
-        ],
-    }
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    done = subprocess.run([sys.executable, str(HERE / "layout_worker.py")], input=json.dumps(job), env=env,
-                          capture_output=True, text=True, timeout=1200, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)["layouts"]
+    # greedy tokens, the prompt logprobs (held to 1e-4) and the needle, at every DCP layout
+    return smollm2_layouts.run_layouts(smollm2_layouts.job(DCP_LAYOUTS, KV_BYTES))
 
 
 @pytest.mark.parametrize("index", range(len(DCP_LAYOUTS)), ids=[

@@ -137,13 +137,16 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 def check_transformers(model: str) -> None:
     """Fail before any timing if the transformers baseline cannot run (missing extras, a
     built-in random model transformers does not have)."""
-    from dcpjax.model_source import BUILTIN_GGUF, model_path
-    from dcpjax.models.config import TINY_MODELS
+    from dcpjax.model_source import BUILTIN_GGUF, model_kind
 
-    if model in TINY_MODELS:
+    try:
+        kind = model_kind(model)
+    except ValueError as error:
+        raise SystemExit(f"--model: {error}") from None
+    if kind not in ("hf", "gguf"):
         raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder, a GGUF file or a built-in "
                          f"pretrained model ({', '.join(BUILTIN_GGUF)}); benchmarks/make_hf_llama.py writes a tiny Llama")
-    needed = ["torch", "transformers"] + (["gguf", "accelerate"] if model_path(model).endswith(".gguf") else [])
+    needed = ["torch", "transformers"] + (["gguf", "accelerate"] if kind == "gguf" else [])
     import importlib.util
 
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
@@ -157,10 +160,10 @@ def _load_transformers(model: str):
     import torch
     import transformers
 
-    from dcpjax.model_source import model_path
+    from dcpjax.model_source import model_kind, model_path
 
     path = pathlib.Path(model_path(model))
-    if path.is_file():  # GGUF: transformers' own loader, dequantized
+    if model_kind(model) == "gguf":  # transformers' own GGUF loader, dequantized
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.float32)
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)

@@ -22,7 +22,7 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dcpjax
-from dcpjax.serve.chat import ChatTemplate
+from dcpjax.chat_template import ChatTemplate
 from dcpjax.serve.chat_completions import add_chat_route
 from dcpjax.serve.completions import add_completions_route
 from dcpjax.serve.context import ServerContext

@@ -11,6 +11,7 @@ import time
 
 from fastapi import FastAPI
 
+from dcpjax.chat_template import text_content
 from dcpjax.serve import logprob_format
 from dcpjax.serve.context import ServerContext, sse, usage
 from dcpjax.serve.errors import APIError
@@ -21,13 +22,7 @@ from dcpjax.serve.tool_calls import StreamedToolCalls, parsed_message, tool_defi
 def message_dicts(body) -> list[dict]:
     """The request's messages as template input: text parts of multi-part contents joined,
     extra fields (tool_calls, tool_call_id, name) passed through."""
-    messages = []
-    for m in body.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(
-            part.text or "" for part in m.content if part.type == "text")
-        # None stays None (an assistant turn with only tool_calls): the template sees no content, as in transformers
-        messages.append({**(m.model_extra or {}), "role": m.role, "content": content})
-    return messages
+    return [{**(m.model_extra or {}), "role": m.role, "content": text_content(m.content)} for m in body.messages]
 
 
 def chat_prompt(server: ServerContext, body, tools: list[dict] | None = None,

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
+from dcpjax.chat_template import ChatTemplate
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve import admission
-from dcpjax.serve.chat import ChatTemplate
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.tool_calls import ToolConfig
 

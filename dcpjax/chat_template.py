@@ -124,6 +124,16 @@ def load_chat_template(value: str) -> str:
     return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
 
 
+def text_content(content: Any) -> str | None:
+    """A message's content as template input: a string as it is, the text parts of a multi-part
+    content joined (OpenAI's [{"type": "text", "text": ...}, ...], dicts or objects), None as None
+    (an assistant turn with only tool_calls: the template sees no content, as in transformers)."""
+    if content is None or isinstance(content, str):
+        return content
+    part = lambda p, key: p.get(key) if isinstance(p, Mapping) else getattr(p, key, None)
+    return "".join(part(p, "text") or "" for p in content if part(p, "type") == "text")
+
+
 class ChatTemplate:
     """The model's chat template (tokenizer_config.json), or `chat_template`: a file path, an inline template, or
     the name of one of the model's named templates."""
