@@ -296,8 +296,8 @@ class LLM:
         """
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (a folder without tokenizer.json, or a GGUF without "
-                                 "tokenizer metadata): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
+                raise ValueError("this model has no tokenizer (no tokenizer.json in its folder, or no tokenizer "
+                                 "metadata in its GGUF): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
                                  "Face folder")
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
