@@ -176,7 +176,7 @@ def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"{path}: RoPE scaling {scaling!r} in GGUF is not supported (only linear)")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _float32(get("rope.scaling.factor"))}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": _float32(file.required(f"{arch}.rope.scaling.factor"))}
     return config
 
 

@@ -210,3 +210,17 @@ def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     with pytest.raises(ImportError, match="pip install gguf"):
         dcpjax.LLM(str(tmp_path / "x.gguf"))
+
+
+def test_linear_rope_scaling_is_read_and_others_are_named(tmp_path):
+    from dcpjax.model_source import load_model_config
+
+    def scaled(kind):
+        return lambda w: (w.add_rope_scaling_type(kind), w.add_rope_scaling_factor(2.0))
+
+    linear, _ = write_pair(tmp_path / "a", "llama", Q.F16, True, edit=scaled(gguf.RopeScalingType.LINEAR))
+    rope = load_model_config(linear).rope
+    assert (rope.rope_type, rope.factor, rope.theta) == ("linear", 2.0, 50000.0)
+    yarn, _ = write_pair(tmp_path / "b", "llama", Q.F16, True, edit=scaled(gguf.RopeScalingType.YARN))
+    with pytest.raises(ValueError, match="RoPE scaling 'yarn' in GGUF is not supported"):
+        load_model_config(yarn)
