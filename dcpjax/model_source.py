@@ -71,20 +71,20 @@ def _unknown(model: str) -> ValueError:
                       f"folder with config.json, nor a .gguf file{hint}")
 
 
-def model_kind(model: str) -> str:
-    """What `model` names: "tiny", "hf" (a folder with config.json), "gguf", "json" (a
+def resolve(model: str) -> tuple[str, str]:
+    """(kind, path) of `model`: kind "tiny", "hf" (a folder with config.json), "gguf" or "json" (a
     config.json or deployment file: a config, no weights); ValueError if none of these."""
     from dcpjax import gguf_loader
 
     if model in TINY_MODELS:
-        return "tiny"
+        return "tiny", model
     path = pathlib.Path(model_path(model))
     if (path / "config.json").is_file():
-        return "hf"
+        return "hf", str(path)
     if gguf_loader.is_gguf(path):
-        return "gguf"
+        return "gguf", str(path)
     if path.is_file() and path.suffix == ".json":
-        return "json"
+        return "json", str(path)
     raise _unknown(model)
 
 
@@ -93,7 +93,7 @@ def load_model_config(name: str) -> ModelConfig:
     "model" of a deployment file (configs/*.json). ValueError if `name` is none of these."""
     from dcpjax import gguf_loader
 
-    kind, path = model_kind(name), model_path(name)
+    kind, path = resolve(name)
     if kind == "tiny":
         return TINY_MODELS[name]
     if kind == "hf":
@@ -125,7 +125,7 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
 
     if tokenizer is not None and not (pathlib.Path(tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"tokenizer {tokenizer!r} is not a Hugging Face folder with tokenizer.json")
-    kind, path = model_kind(model), model_path(model)
+    kind, path = resolve(model)
     own = with_tokenizer and tokenizer is None
     if kind == "tiny":
         cfg = TINY_MODELS[model]

@@ -10,6 +10,7 @@ test_smollm2.py.
 """
 
 import json
+import pathlib
 import sys
 
 import gguf
@@ -66,6 +67,21 @@ def byte_tokens() -> list[str]:
     return [chars[b] for b in range(256)]
 
 
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_stub(path, arch: str) -> str:
+    """A GGUF with an embedding and no model metadata (for the errors)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    finish(writer)
+    return str(path)
+
+
 def write_pair(tmp_path, arch: str, qtype, tied: bool, tokenizer_model: str = "gpt2", edit=lambda writer: None):
     """The same model as a GGUF file (quantized) and a Hugging Face folder (its dequantized values).
     `edit(writer)` adds fields or tensors before the file is written."""
@@ -108,10 +124,7 @@ def write_pair(tmp_path, arch: str, qtype, tied: bool, tokenizer_model: str = "g
         else:
             writer.add_tensor(gguf_name(name), stored)
     edit(writer)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     save_file(hf, folder / "model.safetensors")
     return str(path), str(folder)
 
@@ -188,16 +201,12 @@ def test_what_dcpjax_cannot_load_is_named(tmp_path):
                           edit=lambda w: w.add_tensor("blk.0.attn_output.bias", np.zeros(64, np.float32)))
     with pytest.raises(ValueError, match="unexpected tensors: blk.0.attn_output.bias"):
         dcpjax.LLM(extra, max_model_len=64)
-    partial = tmp_path / "partial.gguf"
-    writer = gguf.GGUFWriter(str(partial), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'mamba' is not supported; supported: llama, qwen2, qwen3"):
+        dcpjax.LLM(write_stub(tmp_path / "mamba.gguf", "mamba"))
+    partial = write_stub(tmp_path / "partial.gguf", "llama")
     with pytest.raises(ValueError, match="GGUF metadata has no 'llama.embedding_length'"):
-        dcpjax.LLM(str(partial))
-    (tmp_path / "truncated.gguf").write_bytes(partial.read_bytes()[:40])
+        dcpjax.LLM(partial)
+    (tmp_path / "truncated.gguf").write_bytes(pathlib.Path(partial).read_bytes()[:40])
     with pytest.raises(ValueError, match="is not a readable GGUF file"):
         dcpjax.LLM(str(tmp_path / "truncated.gguf"))
 

@@ -137,10 +137,10 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 def check_transformers(model: str) -> None:
     """Fail before any timing if the transformers baseline cannot run (missing extras, a
     built-in random model transformers does not have)."""
-    from dcpjax.model_source import BUILTIN_GGUF, model_kind
+    from dcpjax.model_source import BUILTIN_GGUF, resolve
 
     try:
-        kind = model_kind(model)
+        kind, _ = resolve(model)
     except ValueError as error:
         raise SystemExit(f"--model: {error}") from None
     if kind not in ("hf", "gguf"):
@@ -160,10 +160,11 @@ def _load_transformers(model: str):
     import torch
     import transformers
 
-    from dcpjax.model_source import model_kind, model_path
+    from dcpjax.model_source import resolve
 
-    path = pathlib.Path(model_path(model))
-    if model_kind(model) == "gguf":  # transformers' own GGUF loader, dequantized
+    kind, path = resolve(model)
+    path = pathlib.Path(path)
+    if kind == "gguf":  # transformers' own GGUF loader, dequantized
         return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                  dtype=torch.float32)
     return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
