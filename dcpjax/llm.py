@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm.auto import tqdm
 
 from dcpjax.chat_template import ChatTemplate, text_content
@@ -18,11 +16,13 @@ from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
 from dcpjax.engine import Engine, Sequence
 from dcpjax.kernels import check_attention_backend
-from dcpjax.model_source import model_source
+from dcpjax.kv_budget import kv_bytes_per_device
+from dcpjax.model_source import generation_defaults, model_source
 from dcpjax.models.config import ModelConfig
 from dcpjax.outputs import RequestOutput
+from dcpjax.requests import RequestBuilder, request_output
 from dcpjax.runner import ModelRunner, build_model, kv_block_layout, kv_cache_layout
-from dcpjax.sampling import SamplingParams
+from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.spec_decode.config import SpeculativeConfig
@@ -31,10 +31,9 @@ from dcpjax.spec_decode.ngram import NgramProposer
 from dcpjax.weights import ignored_checkpoint_tensor, load_state, model_rules
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "half": jnp.float16, "float": jnp.float32}  # vLLM's aliases
 KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
-CPU_DEFAULT_KV_BYTES = 64 << 20  # where the host's available memory cannot be read
-CPU_KV_SHARE = 0.25  # of the host's available memory, for all of this process's devices together
 
 
 def _resolve_dtype(name: str, what: str, platform: str):
@@ -68,48 +67,12 @@ def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
     return eos
 
 
-def host_available_bytes() -> int | None:
-    """The host memory the kernel could give this process now (Linux' MemAvailable), or None."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        try:
-            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError, AttributeError):
-            return None
-
-
-def _free_bytes(device: jax.Device, utilization: float, devices_sharing_host: int) -> int:
-    stats = device.memory_stats() or {}
-    if "bytes_limit" not in stats:  # CPU: no device memory; all of the process's devices share the host's
-        available = host_available_bytes()
-        return CPU_DEFAULT_KV_BYTES if available is None else int(available * CPU_KV_SHARE / devices_sharing_host)
-    return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
-
-
-def _kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_useful: int | None = None) -> int:
-    """KV bytes per device: as requested, or what the fullest of this process's mesh devices has
-    free (on CPU: a share of the host's available memory, no more than `most_useful`, what
-    max_num_seqs sequences of max_model_len can fill); over several processes, the smallest any
-    process has (every process must build the same cache, and a process can read only its own
-    devices' memory statistics)."""
-    if requested is not None:
-        if requested <= 0:
-            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
-        return int(requested)
-    mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    # CPU processes are assumed to share one host (how multi-process CPU runs here): each takes its part
-    free = min(_free_bytes(d, utilization, len(mine) * jax.process_count()) for d in mine)
-    if mine[0].platform == "cpu" and most_useful is not None:
-        free = min(free, most_useful)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        kib = multihost_utils.process_allgather(np.asarray(max(free, 0) // 1024, np.int32))  # int32 KiB: < 2 TiB
-        free = int(np.min(kib)) * 1024
-    return free
+def _generation_defaults(model: str, generation_config: str) -> dict:
+    defaults = generation_defaults(model, generation_config)
+    if defaults:
+        logger.info("default sampling parameters from the model's generation_config.json: %s (a request's own "
+                    "values win; --generation-config vllm ignores them)", defaults)
+    return defaults
 
 
 class LLM:
@@ -146,6 +109,14 @@ class LLM:
         {"method": "draft_model", "model": NAME_OR_FOLDER, "num_speculative_tokens": k}. Outputs are
         those of plain decoding (see `dcpjax.spec_decode.verify`); steps then run synchronously.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
+      load_format: "auto" (what the model is), "safetensors", "gguf" (insist on it) or "dummy"
+        (random weights of the model's config: benchmarks without a checkpoint).
+      generation_config: where `get_default_sampling_params` comes from: "auto" (the model
+        folder's generation_config.json, if any), "vllm" (vLLM's defaults) or a folder.
+      max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
+      enforce_eager, trust_remote_code: accepted for vLLM's command lines; neither changes
+        anything here (dcpjax has no CUDA graphs to skip, and runs no code from model folders:
+        its own implementations of the supported architectures).
     """
 
     def __init__(
@@ -171,6 +142,11 @@ class LLM:
         enable_prefix_caching: bool = True,
         speculative_config: dict | SpeculativeConfig | None = None,
         devices: Seq[jax.Device] | None = None,
+        load_format: str = "auto",
+        generation_config: str = "auto",
+        max_logprobs: int = MAX_LOGPROBS,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
     ):
         self.parallel_config = pc = ParallelConfig(
             tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, dcp_comm_backend
@@ -183,30 +159,40 @@ class LLM:
         device = self.mesh.devices.flat[0]  # its platform; a device of another process is fine for that
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
         cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
-        source = model_source(model, pc, seed, tokenizer)
+        source = model_source(model, pc, seed, tokenizer, load_format=load_format)
+        self.default_sampling = _generation_defaults(model, generation_config)
         self.model_config, self.tokenizer = source.config, source.tokenizer
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
         self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
         draft = self._load_draft(spec, seed) if spec is not None and spec.method == "draft_model" else None
         graphdef, state = self._load_weights(self.model_config, source.weights, orbax_checkpoint)
         most_useful = self._kv_bytes_for(max_num_seqs, block_size, cache_dtype, draft)
-        kv = self._size_kv_cache(block_size, cache_dtype, _kv_bytes_per_device(
+        kv = self._size_kv_cache(block_size, cache_dtype, kv_bytes_per_device(
             kv_cache_memory_bytes, gpu_memory_utilization, self.mesh, most_useful), draft)
         self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
                                   max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
         proposer = self._proposer(spec, draft, kv, attention_backend, max_num_seqs) if spec is not None else None
+        del enforce_eager, trust_remote_code  # accepted for vLLM's command lines (see the docstring)
+        self.seed = seed
+        self._start_engine(kv, block_size, max_num_seqs, max_num_batched_tokens, async_scheduling,
+                           enable_prefix_caching, proposer, max_logprobs)
+        self._chat_templates: dict[str | None, ChatTemplate] = {}
+
+    def _start_engine(self, kv, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                      async_scheduling: bool, enable_prefix_caching: bool, proposer, max_logprobs: int) -> None:
+        """The engine over the runner, and the request builder in front of it."""
+        spec, pc = self.speculative_config, self.parallel_config
+        eos = _eos_token_ids(self.model_config, self.tokenizer)
         self.engine = Engine(
-            self.runner, self.tokenizer, _eos_token_ids(self.model_config, self.tokenizer), block_size=block_size,
-            max_model_len=self.max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
-            enable_prefix_caching=enable_prefix_caching, proposer=proposer,
+            self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, proposer=proposer,
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
         )
         logger.info("prefix caching: %s", f"on, in blocks of {block_size * pc.dcp} tokens ({block_size} x DCP "
                     f"{pc.dcp}), up to {kv.num_blocks} cached blocks" if enable_prefix_caching else "off")
-        self.seed = seed
-        self._request_ids = itertools.count()
-        self._chat_templates: dict[str | None, ChatTemplate] = {}
+        self.requests = RequestBuilder(self.model_config, self.tokenizer, eos, max_model_len=self.max_model_len,
+                                       seed=self.seed, speculative=spec is not None, max_logprobs=max_logprobs)
 
     def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv, attention_backend: str,
                   max_num_seqs: int):
@@ -290,35 +276,15 @@ class LLM:
 
     # -- generation --------------------------------------------------------------------------
     def make_sequence(self, prompt, params: SamplingParams, index: int, request_id: str | None = None) -> Sequence:
-        """Validate one prompt (text or {"prompt_token_ids": [...]}) into an engine Sequence.
+        """Validate one prompt (text or {"prompt_token_ids": [...]}) into one engine Sequence
+        (one completion: see `make_sequences` for n > 1). ValueError names what is wrong
+        (index: the prompt's position, for the message)."""
+        return self.requests.sequences(prompt, dataclasses.replace(params, n=1, best_of=None), index, request_id)[0]
 
-        ValueError names what is wrong (index: the prompt's position, for the message).
-        """
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (no tokenizer.json in its folder, or no tokenizer "
-                                 "metadata in its GGUF): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
-                                 "Face folder")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        else:
-            raise ValueError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        vocab = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room to generate")
-        budget = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
-        request = next(self._request_ids)
-        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + request) % 2**32
-        return Sequence(
-            request_id=request_id or str(request), prompt=text, prompt_ids=ids, params=params,
-            max_total=min(len(ids) + budget, self.max_model_len), seed=seed,
-        )
+    def make_sequences(self, prompt, params: SamplingParams, index: int = 0,
+                       request_id: str | None = None) -> list[Sequence]:
+        """The sequences of one prompt's `params.best_of or params.n` completions (see `dcpjax.requests`)."""
+        return self.requests.sequences(prompt, params, index, request_id)
 
     def generate(
         self,
@@ -326,19 +292,29 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (strings, or {"prompt_token_ids": [...]}); outputs in prompt order."""
+        """Generate for each prompt (strings, or {"prompt_token_ids": [...]}); outputs in prompt order,
+        each with `sampling_params.n` completions."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
-        sequences = [self.make_sequence(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        with tqdm(total=len(sequences), desc="Generating", disable=not use_tqdm) as bar:
-            self.engine.run(sequences, on_finish=lambda seq: bar.update())
-        return [self.engine.output(seq) for seq in sequences]
+        requests = [self.make_sequences(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
+            # the bar counts prompts whose every completion is done
+            first = {id(seq): id(seqs[0]) for seqs in requests for seq in seqs}
+            remaining = {id(seqs[0]): len(seqs) for seqs in requests}
+
+            def finished(seq):
+                remaining[first[id(seq)]] -= 1
+                if not remaining[first[id(seq)]]:
+                    bar.update()
+
+            self.engine.run([seq for seqs in requests for seq in seqs], on_finish=finished)
+        return [request_output(seqs, self.engine.output) for seqs in requests]
 
     def chat(
         self,
@@ -348,11 +324,15 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (vLLM's `LLM.chat`): one conversation (a list of
         {"role", "content"} messages; content a string or OpenAI's text parts) or a list of them,
         rendered with the model's chat template (or `chat_template`: a file, an inline template or
-        a template name) as the server renders it, then generated as `generate` does."""
+        a template name) as the server renders it, then generated as `generate` does. `tools`:
+        OpenAI's function definitions ([{"type": "function", "function": {...}}]), rendered by the
+        template as the server renders them (the reply's text holds any call: the server's
+        --tool-call-parser is what parses it)."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one (pass tokenizer= a Hugging Face folder)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -362,11 +342,16 @@ class LLM:
         prompts = []
         for conversation in conversations:
             turns = [{**m, "content": text_content(m.get("content"))} for m in conversation]
-            text = template.render(turns, add_generation_prompt=add_generation_prompt,
+            text = template.render(turns, tools=tools, add_generation_prompt=add_generation_prompt,
                                    chat_template_kwargs=chat_template_kwargs)
             # the template writes the special tokens itself (as the server does)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults (vLLM's name; what
+        `generate` and `chat` use when given none)."""
+        return SamplingParams(**self.default_sampling)
 
     def get_tokenizer(self):
         """The model's tokenizer (`encode(text)`, `decode(ids)`), or None for a folder without one."""

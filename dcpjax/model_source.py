@@ -116,29 +116,79 @@ class ModelSource:
     weights: Callable[[], TensorSource]
 
 
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's names for the ones dcpjax reads
+
+
 def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None,
-                 with_tokenizer: bool = True) -> ModelSource:
+                 with_tokenizer: bool = True, load_format: str = "auto") -> ModelSource:
     """Resolve `model` (see the module docstring). `tokenizer`: a Hugging Face folder to use
     instead of the model's own (whose tokenizer is then never built: a GGUF tokenizer dcpjax
-    cannot rebuild is no obstacle); `with_tokenizer=False`: none at all (a draft model)."""
+    cannot rebuild is no obstacle); `with_tokenizer=False`: none at all (a draft model).
+    `load_format` (vLLM's): "auto" reads what the model is; "safetensors" / "gguf" insist on it;
+    "dummy" gives random weights of the model's config (any kind, a JSON config too)."""
     from dcpjax import gguf_loader
 
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     if tokenizer is not None and not (pathlib.Path(tokenizer) / "tokenizer.json").is_file():
         raise ValueError(f"tokenizer {tokenizer!r} is not a Hugging Face folder with tokenizer.json")
     kind, path = resolve(model)
+    expected = {"safetensors": "hf", "gguf": "gguf"}.get(load_format)
+    if expected is not None and kind != expected:
+        raise ValueError(f"load_format={load_format!r} but model {model!r} is {_KIND_NAMES[kind]}: pass "
+                         f"load_format='auto' (or 'dummy' for random weights)")
     own = with_tokenizer and tokenizer is None
     if kind == "tiny":
-        cfg = TINY_MODELS[model]
-        source = ModelSource(cfg, ByteTokenizer() if own else None, lambda: random_checkpoint(cfg, pc, seed))
+        cfg, own_tokenizer, weights = TINY_MODELS[model], ByteTokenizer, None
     elif kind == "hf":
-        source = ModelSource(ModelConfig.from_pretrained(path), load_tokenizer(path) if own else None,
-                             lambda: SafetensorsSource(path))
+        cfg, own_tokenizer, weights = ModelConfig.from_pretrained(path), lambda: load_tokenizer(path), \
+            lambda: SafetensorsSource(path)
     elif kind == "gguf":
-        source = ModelSource(ModelConfig.from_hf(gguf_loader.hf_config(path)),
-                             gguf_loader.tokenizer(path) if own else None, lambda: gguf_loader.GGUFSource(path))
+        cfg, own_tokenizer, weights = ModelConfig.from_hf(gguf_loader.hf_config(path)), \
+            lambda: gguf_loader.tokenizer(path), lambda: gguf_loader.GGUFSource(path)
+    elif load_format == "dummy":
+        cfg, own_tokenizer, weights = load_model_config(path), lambda: None, None
     else:
         raise ValueError(f"model {model!r} is a JSON config without weights: pass a Hugging Face folder, a GGUF "
-                         "file or a built-in model (configs/*.json are for python -m dcpjax.plan)")
-    if tokenizer is not None and with_tokenizer:
-        source = dataclasses.replace(source, tokenizer=load_tokenizer(tokenizer))
-    return source
+                         "file or a built-in model, or load_format='dummy' for random weights (configs/*.json are "
+                         "for python -m dcpjax.plan)")
+    if weights is None or load_format == "dummy":
+        weights = lambda: random_checkpoint(cfg, pc, seed)
+    chosen = own_tokenizer() if own else load_tokenizer(tokenizer) if tokenizer is not None and with_tokenizer else None
+    return ModelSource(cfg, chosen, weights)
+
+
+_KIND_NAMES = {"tiny": "a built-in tiny model", "hf": "a Hugging Face folder", "gguf": "a GGUF file",
+               "json": "a JSON config"}
+
+
+# generation_config.json keys vLLM takes as the model's default sampling parameters
+GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                           "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(model: str, generation_config: str = "auto") -> dict:
+    """The model creator's default sampling parameters (vLLM's --generation-config): "auto" reads
+    generation_config.json of a Hugging Face folder (none for other kinds), "vllm" uses none, any
+    other value is a folder holding generation_config.json. Only the keys present in the file
+    count ({SamplingParams field: value})."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        kind, path = resolve(model)
+        if kind != "hf":
+            return {}
+        folder = pathlib.Path(path)
+    else:
+        folder = pathlib.Path(generation_config)
+        if not (folder / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a folder with "
+                             "generation_config.json")
+    file = folder / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not valid JSON: {error}") from None
+    return {field: data[key] for key, field in GENERATION_DEFAULT_KEYS.items() if data.get(key) is not None}

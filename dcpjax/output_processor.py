@@ -72,10 +72,10 @@ class OutputProcessor:
         """Add one sampled token to `seq`: logprobs (from `values` at index `at`), text, stop checks."""
         seq.token_ids.append(token)
         params = seq.params
-        if params.logprobs is not None and values is not None and "logprobs" in values:
-            entry = self._entry(token, values, at, params.logprobs)
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + entry[token].logprob
-            seq.logprobs.append(entry)
+        if params.needs_logprobs and values is not None and "logprobs" in values:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(values["logprobs"][at])
+            if params.logprobs is not None:
+                seq.logprobs.append(self._entry(token, values, at, params.logprobs))
         self._check_stop(seq, token)
 
     def _entry(self, token: int, values: dict[str, np.ndarray], at: tuple, top: int) -> dict[int, Logprob]:
@@ -114,7 +114,9 @@ class OutputProcessor:
                 seq.detokenizer, seq.text = decode_stream(self.tokenizer), ""
             before = len(seq.text)
             seq.text += seq.detokenizer.step(token)
-            if params.stop and (hit := _first_stop(seq.text, params.stop, before)) is not None:
+            # as vLLM: stop strings count once the output is longer than min_tokens
+            if (params.stop and seq.num_output_tokens > params.min_tokens
+                    and (hit := _first_stop(seq.text, params.stop, before)) is not None):
                 at, stop = hit
                 seq.text = seq.text[: at + (len(stop) if params.include_stop_str_in_output else 0)]
                 seq.finish_reason, seq.stop_reason = "stop", stop

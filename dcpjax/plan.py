@@ -9,7 +9,9 @@ A deployment file names a model (its Hugging Face config.json fields), the
 parallel configuration, and the device (memory in bytes, utilisation). The plan
 is computed by the library from the model it would build: every parameter's
 per-device shard from its logical axes, and the KV bytes per block from the same
-layout the runner allocates. Nothing is typed in.
+layout the runner allocates. Nothing is typed in. Given to --model, a deployment
+file's tensor_parallel_size, weight_dtype, kv_cache_dtype, block_size, device memory
+and memory_utilization are the defaults; a flag on the command line wins.
 """
 
 from __future__ import annotations
@@ -20,17 +22,81 @@ import json
 import math
 import pathlib
 import sys
+from collections.abc import Iterable, Sequence
 
 import jax.numpy as jnp
 from flax import nnx
 
+from dcpjax import cli
 from dcpjax.config import ParallelConfig
-from dcpjax.model_source import load_model_config
+from dcpjax.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner import build_model, kv_cache_layout, layout_problems
 from dcpjax.sharding.mesh import mesh_ways
 
 GB = 1e9
+DEFAULT_TP, DEFAULT_DEVICE = 8, "h200"
+DTYPES = ("bfloat16", "float16", "float32")
+WEIGHT_DTYPES = (*DTYPES, "float8_e4m3fn")
+KV_DTYPES = (*DTYPES, "fp8")
+REQUIRED = ("name", "model", "parallel", "device_memory_bytes")
+# a deployment file's fields: (JSON type, test, what the value must be)
+FIELDS = {
+    "name": (str, lambda v: bool(v), "a non-empty string"),
+    "model": (dict, lambda v: True, "an object of Hugging Face config.json fields"),
+    "parallel": (dict, lambda v: True, "an object of ParallelConfig fields"),
+    "device_memory_bytes": ((int, float), lambda v: v > 0, "a number of bytes > 0"),
+    "memory_utilization": ((int, float), lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "weight_dtype": (str, WEIGHT_DTYPES.__contains__, f"one of {', '.join(WEIGHT_DTYPES)}"),
+    "kv_cache_dtype": (str, (*KV_DTYPES, "float8_e4m3fn").__contains__, f"one of {', '.join(KV_DTYPES)}"),
+    "block_size": (int, lambda v: v >= 1, "an integer >= 1"),
+    "hosts": (int, lambda v: v >= 1, "an integer >= 1"),
+}
+
+
+def load_json(path: str | pathlib.Path) -> object:
+    """The parsed file; OSError if unreadable, ValueError if not JSON."""
+    try:
+        return json.loads(pathlib.Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a JSON file: {err}") from None
+
+
+def check_deployment(data: object, path: str | pathlib.Path, required: tuple[str, ...] = REQUIRED) -> dict:
+    """`data` if it is a deployment file's content; ValueError naming the file and the field."""
+    if not isinstance(data, dict):
+        kind = type(data).__name__  # ValueError, not TypeError: a user's file, reported by the CLI as one line
+        raise ValueError(f"{path}: a deployment file is a JSON object, not {kind} (see configs/)")  # noqa: TRY004
+    if missing := [key for key in required if key not in data]:
+        raise ValueError(f"{path}: no field{'s' * (len(missing) > 1)} {', '.join(map(repr, missing))}; a deployment "
+                         f"file has {', '.join(REQUIRED)} (see configs/*.json)")
+    for key, (kind, ok, what) in FIELDS.items():
+        value = data.get(key)
+        if key in data and (not isinstance(value, kind) or isinstance(value, bool) or not ok(value)):
+            raise ValueError(f"{path}: {key!r} must be {what}, got {value!r}")
+    return data
+
+
+def deployment_parallel(data: dict, path: str | pathlib.Path) -> ParallelConfig:
+    """The file's "parallel" object as a ParallelConfig; ValueError naming the file."""
+    known = {f.name for f in dataclasses.fields(ParallelConfig)}
+    if unknown := sorted(set(data["parallel"]) - known):
+        raise ValueError(f"{path}: 'parallel' has unknown fields {unknown}; known: {', '.join(sorted(known))}")
+    try:
+        return ParallelConfig(**data["parallel"])
+    except ValueError as err:
+        raise ValueError(f"{path}: 'parallel': {err}") from None
+
+
+def deployment_model(data: dict, path: str | pathlib.Path) -> ModelConfig:
+    """The file's "model" object as a ModelConfig; ValueError naming the file and the field."""
+    try:
+        return ModelConfig.from_hf(data["model"])
+    except KeyError as err:
+        raise ValueError(f"{path}: 'model' has no {err.args[0]!r} field (copy it from the model's "
+                         "config.json)") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: 'model': {err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +113,20 @@ class Deployment:
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> Deployment:
-        data = json.loads(pathlib.Path(path).read_text())
+        """OSError if `path` cannot be read; ValueError naming the field that is missing or wrong."""
+        data = check_deployment(load_json(path), path)
         return cls(
-            name=data["name"], model=ModelConfig.from_hf(data["model"]),
-            parallel=ParallelConfig(**data["parallel"]), device_memory_bytes=float(data["device_memory_bytes"]),
+            name=data["name"], model=deployment_model(data, path), parallel=deployment_parallel(data, path),
+            device_memory_bytes=float(data["device_memory_bytes"]),
             memory_utilization=data.get("memory_utilization", 0.9), weight_dtype=data.get("weight_dtype", "bfloat16"),
             kv_cache_dtype=data.get("kv_cache_dtype", "bfloat16"), block_size=data.get("block_size", 16),
             hosts=data.get("hosts", 1),
         )
+
+
+def kv_dtype(name: str) -> jnp.dtype:
+    """The dtype of a --kv-cache-dtype / kv_cache_dtype name ("fp8": float8_e4m3fn)."""
+    return jnp.dtype("float8_e4m3fn" if name == "fp8" else name)
 
 
 def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, dtype) -> int:
@@ -70,13 +142,18 @@ def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, dtype) -> int:
 
 def memory_plan(d: Deployment) -> dict:
     cfg, pc = d.model, d.parallel
-    pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+    try:
+        pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+    except ValueError as err:
+        raise ValueError(f"{d.name}: {err}") from None
     weights = weight_bytes_per_device(cfg, pc, d.weight_dtype)
     budget = d.device_memory_bytes * d.memory_utilization - weights
     if budget <= 0:
         raise ValueError(f"{d.name}: weights ({weights / GB:.1f} GB per device) exceed "
-                         f"{d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB")
-    kv = kv_cache_layout(cfg, pc, block_size=d.block_size, bytes_per_device=budget, dtype=d.kv_cache_dtype)
+                         f"{d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; raise "
+                         "tensor_parallel_size or use float8_e4m3fn weights (python -m dcpjax.plan --model FILE "
+                         "says what fits)")
+    kv = kv_cache_layout(cfg, pc, block_size=d.block_size, bytes_per_device=budget, dtype=kv_dtype(d.kv_cache_dtype))
     per_block = kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
     return dict(
         name=d.name, tp=pc.tp, dcp=pc.dcp, hosts=d.hosts,
@@ -94,7 +171,7 @@ def compare_with_dcp1(d: Deployment) -> tuple[dict, dict]:
     return memory_plan(d), memory_plan(base)
 
 
-def markdown_rows(paths) -> list[str]:
+def markdown_rows(paths: Iterable[str | pathlib.Path]) -> list[str]:
     rows = [
         (
             "| deployment | TP x DCP | weights GB / device | KV GB / device | KV bytes / token / device | "
@@ -113,49 +190,87 @@ def markdown_rows(paths) -> list[str]:
     return rows
 
 
-def plan_model(args) -> dict:
-    """Every DCP size of --model at --tensor-parallel-size, and the recommendation."""
+def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
+    """--model's config, and the settings its deployment file sets ({} for any other model): of
+    tensor_parallel_size, weight_dtype, kv_cache_dtype, block_size, memory_gb, memory_utilization."""
+    kind, path = resolve(name)
+    data = load_json(path) if kind == "json" else None
+    if kind != "json" or isinstance(data, dict) and "architectures" in data:  # a model's own config
+        try:
+            return load_model_config(name), {}
+        except KeyError as err:
+            raise ValueError(f"{name}: the config has no {err.args[0]!r} field") from None
+    data = check_deployment(data, path, required=("model",))
+    defaults = {key: data[key] for key in ("weight_dtype", "kv_cache_dtype", "block_size", "memory_utilization")
+                if key in data}
+    if "parallel" in data:
+        defaults["tensor_parallel_size"] = deployment_parallel(data, path).tp
+    if "device_memory_bytes" in data:
+        defaults["memory_gb"] = data["device_memory_bytes"] / GB
+    return deployment_model(data, path), defaults
+
+
+def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict) -> list[dict]:
+    """`planner.plan_size` of every DCP size (each divisor of `tp`); `setup`: its other arguments."""
+    from dcpjax import planner
+
+    rows = []
+    for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
+        pc = ParallelConfig(tp, dcp)
+        problems = layout_problems(cfg, pc)
+        weights = 0 if problems else weight_bytes_per_device(cfg, pc, weight_dtype)
+        rows.append(planner.plan_size(cfg, pc, weight_bytes=weights, problems=problems, **setup))
+    return rows
+
+
+def _setting(args: argparse.Namespace, file: dict, key: str, default: object) -> object:
+    """The flag if given, else the deployment file's value, else `default`."""
+    flag = getattr(args, key)
+    return flag if flag is not None else file.get(key, default)
+
+
+def _from_file(args: argparse.Namespace, file: dict) -> list[str]:
+    """The deployment file's settings no flag overrode (its memory: neither --memory-gb nor --device)."""
+    overridden = {k: getattr(args, k, None) is not None for k in file} | {
+        "memory_gb": args.memory_gb is not None or args.device is not None}
+    return sorted(k for k in file if not overridden[k])
+
+
+def plan_model(args: argparse.Namespace) -> dict:
+    """Every DCP size of --model at its TP, the recommendation, and what would fit if nothing does."""
     from dcpjax import planner
 
     try:
-        cfg = load_model_config(args.model)
+        cfg, file = model_and_defaults(args.model)
     except ValueError as err:
-        raise SystemExit(f"--model: {err}") from None
-    device = planner.DEVICES[args.device]
-    device = dataclasses.replace(device, memory_gb=args.memory_gb or device.memory_gb,
+        raise ValueError(f"--model: {err}") from None
+    tp = _setting(args, file, "tensor_parallel_size", DEFAULT_TP)
+    weight_dtype = _setting(args, file, "weight_dtype", args.dtype)
+    kv_name = _setting(args, file, "kv_cache_dtype", "bfloat16")
+    device = planner.DEVICES[args.device or DEFAULT_DEVICE]
+    memory = args.memory_gb or (file.get("memory_gb") if args.device is None else None)  # --device: its preset
+    device = dataclasses.replace(device, memory_gb=memory or device.memory_gb,
                                  hbm_tbps=args.hbm_tbps or device.hbm_tbps)
-    link = planner.LINKS[args.interconnect]
-    link = dataclasses.replace(link, gbps=args.link_gbps or link.gbps, latency_us=args.link_latency_us or link.latency_us)
+    link = planner.LINKS[args.interconnect or device.link]
+    link = dataclasses.replace(link, gbps=args.link_gbps or link.gbps,
+                               latency_us=args.link_latency_us or link.latency_us)
     workload = planner.Workload(args.input_len, args.output_len, args.concurrency)
-    kv_dtype = jnp.float8_e4m3fn if args.kv_cache_dtype == "fp8" else jnp.dtype(args.kv_cache_dtype)
-    rows = []
-    for dcp in [d for d in range(1, args.tensor_parallel_size + 1) if args.tensor_parallel_size % d == 0]:
-        pc = ParallelConfig(args.tensor_parallel_size, dcp)
-        weights = weight_bytes_per_device(cfg, pc, args.weight_dtype or args.dtype) if not layout_problems(
-            cfg, pc) else 0
-        rows.append(planner.plan_size(cfg, pc, device=device, link=link, workload=workload, weight_bytes=weights,
-                                      kv_dtype=kv_dtype, block_size=args.block_size,
-                                      q_bytes=jnp.dtype(args.dtype).itemsize))
+    setup = dict(device=device, link=link, workload=workload, kv_dtype=kv_dtype(kv_name),
+                 block_size=_setting(args, file, "block_size", 16), q_bytes=jnp.dtype(args.dtype).itemsize,
+                 utilization=_setting(args, file, "memory_utilization", 0.9))
+    rows = plan_rows(cfg, tp, weight_dtype, setup)
     choice, reasons = planner.recommend(cfg, rows, link, workload)
-    return {"model": args.model, "tp": args.tensor_parallel_size, "device": dataclasses.asdict(device),
-            "link": dataclasses.asdict(link), "workload": dataclasses.asdict(workload), "sizes": rows,
-            "recommended_dcp": choice, "reasons": reasons}
-
-
-def plan_table(plan: dict) -> str:
-    header = ("| DCP | verdict | KV tokens | fit | KV read / step | collectives / step (ag_rs, a2a) "
-              "| step ms (ag_rs, a2a) | tok/s (best) |")
-    lines = [header, "|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in plan["sizes"]:
-        if not r["valid"]:
-            lines.append(f"| {r['dcp']} | rejected: {'; '.join(r['rules_broken'])} | - | - | - | - | - | - |")
-            continue
-        c, t = r["collective_bytes_per_step"], r["step_seconds"]
-        lines.append(f"| {r['dcp']} | valid | {r['kv_cache_size_tokens']:,} | {r['sequences_that_fit']:,} | "
-                     f"{r['kv_read_bytes_per_step'] / 1e6:,.1f} MB | {c['ag_rs'] / 1e6:,.2f} / {c['a2a'] / 1e6:,.2f} MB "
-                     f"| {t['ag_rs'] * 1e3:.2f} / {t['a2a'] * 1e3:.2f} | {max(r['tokens_per_second'].values()):,.0f} |")
-    lines += ["", f"Recommended: DCP {plan['recommended_dcp']}", *(f"- {reason}" for reason in plan["reasons"])]
-    return "\n".join(lines)
+    alternatives = [] if choice is not None else planner.what_would_fit(
+        cfg, rows, weight_dtype=weight_dtype, workload=workload,
+        rows_at=lambda t, w: plan_rows(cfg, t, w, setup))
+    chosen = next((r for r in rows if r["dcp"] == choice), None)
+    return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
+            "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
+            "from_file": _from_file(args, file),
+            "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
+            "workload": dataclasses.asdict(workload), "sizes": rows, "recommended_dcp": choice,
+            "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
+            "what_would_fit": alternatives}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,42 +278,55 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m dcpjax.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("configs", nargs="*", help="deployment JSON files (see configs/)")
-    p.add_argument("--model", help="a Hugging Face folder, a config.json or a built-in model: plan every DCP size")
-    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=8)
-    p.add_argument("--device", choices=sorted(planner.DEVICES), default="h200")
-    p.add_argument("--memory-gb", type=float, help="device memory (overrides the preset)")
-    p.add_argument("--hbm-tbps", type=float, help="memory bandwidth in TB/s (overrides the preset)")
-    p.add_argument("--interconnect", choices=sorted(planner.LINKS), default="nvlink")
-    p.add_argument("--link-gbps", type=float, help="GB/s a device receives (overrides the preset)")
-    p.add_argument("--link-latency-us", type=float, help="us per collective (overrides the preset)")
-    p.add_argument("--input-len", type=int, default=8192)
-    p.add_argument("--output-len", type=int, default=512)
-    p.add_argument("--concurrency", type=int, default=32)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                   help="activations (queries on the wire)")
-    p.add_argument("--weight-dtype", choices=("bfloat16", "float16", "float32", "float8_e4m3fn"),
-                   help="weights as the checkpoint ships them (default: --dtype)")
-    p.add_argument("--kv-cache-dtype", default="bfloat16", choices=("bfloat16", "float16", "float32", "fp8"))
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--model", help="a Hugging Face folder, a config.json, a deployment file or a built-in model: "
+                                   "plan every DCP size (default: none, plan the deployment files given)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int,
+                   help=f"devices of one replica (default: a deployment file's, else {DEFAULT_TP})")
+    p.add_argument("--device", choices=sorted(planner.DEVICES),
+                   help=f"device preset (default: {DEFAULT_DEVICE}, with a deployment file's memory)")
+    p.add_argument("--memory-gb", type=float, help="device memory (default: a deployment file's, else the preset's)")
+    p.add_argument("--memory-utilization", type=float,
+                   help="share of device memory for weights and KV (default: a deployment file's, else 0.9)")
+    p.add_argument("--hbm-tbps", type=float, help="memory bandwidth in TB/s (default: the preset's)")
+    links = ", ".join(f"{name} {d.link}" for name, d in sorted(planner.DEVICES.items()))
+    p.add_argument("--interconnect", choices=sorted(planner.LINKS),
+                   help=f"link preset (default: the device's: {links})")
+    p.add_argument("--link-gbps", type=float, help="GB/s a device receives (default: the preset's)")
+    p.add_argument("--link-latency-us", type=float, help="us per collective (default: the preset's)")
+    p.add_argument("--input-len", type=int, default=8192, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=512, help="generated tokens per sequence (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=32, help="sequences decoded at once (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="activations, queries on the wire (default: %(default)s)")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES,
+                   help="weights as the checkpoint ships them (default: a deployment file's, else --dtype)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
+                   help="KV cache entries (default: a deployment file's, else bfloat16)")
+    p.add_argument("--block-size", type=int, help="KV tokens per block (default: a deployment file's, else 16)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
+    cli.add_debug_flag(p)
     return p
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     if args.model is None and not args.configs:
         p.error("give deployment files, or --model to plan every DCP size")
     for name in ("tensor_parallel_size", "input_len", "output_len", "concurrency", "block_size"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.memory_utilization is not None and not 0 < args.memory_utilization <= 1:
+        p.error("--memory-utilization must be in (0, 1]")
     if args.configs:
         print("\n".join(markdown_rows(args.configs)))
     if args.model is not None:
+        from dcpjax import planner
+
         plan = plan_model(args)
-        print(json.dumps(plan, indent=1, default=str) if args.json else plan_table(plan))
+        print(json.dumps(plan, indent=1, default=str) if args.json else planner.plan_table(plan))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

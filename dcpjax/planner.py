@@ -1,6 +1,7 @@
 """Which DCP size to run: every size's rule verdict, capacity, per-step traffic, a roofline
 estimate of the decode step, and a recommendation along the article's three axes
-(workload, model, interconnect).
+(workload, model, interconnect); when no size fits, what would; and the plan as a table
+with a legend of its columns.
 
 Everything model-specific comes from the library: the rules from `ParallelConfig`, the
 KV bytes from the runner's own `kv_cache_layout`, the weights from the model it would
@@ -11,13 +12,16 @@ Device and link figures are data, in `DEVICES` and `LINKS`, each with its source
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Callable
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.runner import kv_cache_layout, layout_problems
+from dcpjax.runner import kv_block_layout, kv_cache_layout, layout_problems
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
 
 GB = 1e9
+FP8 = "float8_e4m3fn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +30,7 @@ class Device:
     memory_gb: float
     hbm_tbps: float  # HBM bandwidth, TB/s
     source: str
+    link: str  # the LINKS preset its devices talk over by default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,17 +42,19 @@ class Link:
 
 
 DEVICES = {d.name: d for d in (
-    Device("h200", 141, 4.8, "NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s"),
-    Device("b200", 180, 8.0, "NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s over 8 GPUs"),
-    Device("tpu-v5e", 16, 0.819, "Google Cloud TPU v5e documentation: 16 GB HBM2, 819 GB/s"),
-    Device("tpu-v6e", 32, 1.64, "Google Cloud TPU v6e (Trillium) documentation: 32 GB HBM, 1,640 GB/s"),
-    Device("cpu", 64, 0.02, "a fake CPU device: 64 GB nominal; measure memcpy and pass --hbm-tbps"),
+    Device("h200", 141, 4.8, "NVIDIA H200 Tensor Core GPU datasheet: 141 GB HBM3e, 4.8 TB/s", "nvlink"),
+    Device("b200", 180, 8.0, "NVIDIA DGX B200 datasheet: 1,440 GB and 64 TB/s over 8 GPUs", "nvlink"),
+    Device("tpu-v5e", 16, 0.819, "Google Cloud TPU v5e documentation: 16 GB HBM2, 819 GB/s", "ici"),
+    Device("tpu-v6e", 32, 1.64, "Google Cloud TPU v6e (Trillium) documentation: 32 GB HBM, 1,640 GB/s", "ici"),
+    Device("cpu", 64, 0.02, "a fake CPU device: 64 GB nominal; measure memcpy and pass --hbm-tbps", "cpu"),
 )}
 LINKS = {link.name: link for link in (
     Link("nvlink", 450, 5, "NVLink 4 (H100/H200): 900 GB/s per GPU both ways; a few us per NCCL collective"),
     Link("pcie", 32, 15, "PCIe Gen5 x16: 64 GB/s per direction, about half reached by NCCL over the host"),
     Link("ici", 100, 10, "TPU v5e ICI: 1,600 Gbps per chip over 4 links"),
     Link("dcn", 25, 30, "data-center network between hosts: 200 Gb/s NIC per host"),
+    Link("cpu", 0.29, 367, "fake CPU devices of one host, measured by benchmarks/roofline_check.py on a 2-core "
+                           "host (benchmarks/RESULTS.md): one all_gather over 8 devices 367 us + 0.29 GB/s"),
 )}
 
 
@@ -69,22 +76,40 @@ def _traffic(cfg: ModelConfig, pc: ParallelConfig, batch: int, q_bytes: int) -> 
             for comm in COLLECTIVES_PER_LAYER}
 
 
+def _rejected(row: dict, kind: str, why: list[str]) -> dict:
+    # the config's rule sentences end in "."; they are joined with "; " downstream
+    return row | {"valid": False, "rejected_by": kind, "rules_broken": [s.rstrip(".") for s in why]}
+
+
 def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Link, workload: Workload,
               weight_bytes: float, kv_dtype, block_size: int = 16, q_bytes: int = 2,
-              utilization: float = 0.9) -> dict:
-    """One DCP size of the plan: verdict, capacity, traffic and roofline step time (seconds)."""
-    broken = layout_problems(cfg, pc)
-    row = {"dcp": pc.dcp, "valid": not broken, "rules_broken": broken}
+              utilization: float = 0.9, problems: list[str] | None = None) -> dict:
+    """One DCP size of the plan: verdict, capacity, traffic and roofline step time (seconds).
+
+    `valid`: this size runs at least one sequence of the workload; otherwise `rejected_by` is
+    "rules" (a ParallelConfig or layout rule), "weights" (no KV block left) or "context" (not
+    one sequence fits) and `rules_broken` says why. `problems`: `layout_problems(cfg, pc)` if
+    the caller has them (building the abstract model again is the slow part)."""
+    broken = layout_problems(cfg, pc) if problems is None else problems
+    row = {"tp": pc.tp, "dcp": pc.dcp, "valid": True, "rejected_by": None, "rules_broken": []}
+    if broken:
+        return _rejected(row, "rules", broken)
     budget = device.memory_gb * GB * utilization - weight_bytes
-    if broken or budget <= 0:
-        row["rules_broken"] = broken or [f"weights ({weight_bytes / GB:.1f} GB) leave no room for KV"]
-        row["valid"] = False
-        return row
+    per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
+        cfg.num_hidden_layers, pc.kv_head_groups)
+    if budget < per_block:
+        why = f"weights ({weight_bytes / GB:.4g} GB per device) leave no room for KV in {utilization:.0%} of "
+        return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
     kv = kv_cache_layout(cfg, pc, block_size=block_size, bytes_per_device=budget, dtype=kv_dtype)
-    per_token = kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups) / block_size / pc.dcp
+    per_token = per_block / block_size / pc.dcp
     tokens = kv.num_blocks * block_size * pc.dcp
     per_seq = workload.input_len + workload.output_len
     fit = tokens // per_seq
+    row |= {"kv_cache_size_tokens": tokens, "kv_bytes_per_token_per_device": per_token, "sequences_that_fit": fit,
+            "weight_bytes_per_device": weight_bytes}
+    if fit == 0:
+        why = f"one sequence of {per_seq:,} tokens (input + output) needs more than the {tokens:,} tokens the KV cache"
+        return _rejected(row, "context", [f"{why} holds"])
     batch = min(workload.concurrency, fit)
     context = workload.input_len + workload.output_len / 2  # the mean over the decode
     kv_read = batch * context * per_token
@@ -92,35 +117,159 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     hbm = (weight_bytes + kv_read) / (device.hbm_tbps * 1e12)
     steps = {comm: hbm + (traffic[comm] / (link.gbps * GB) + cfg.num_hidden_layers * n * link.latency_us * 1e-6
                           if pc.dcp > 1 else 0.0) for comm, n in COLLECTIVES_PER_LAYER.items()}
-    return row | {"kv_cache_size_tokens": tokens, "kv_bytes_per_token_per_device": per_token,
-                  "sequences_that_fit": fit, "batch": batch, "kv_read_bytes_per_step": kv_read,
-                  "weight_bytes_per_device": weight_bytes, "collective_bytes_per_step": traffic,
+    return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "collective_bytes_per_step": traffic,
                   "step_seconds": steps, "hbm_seconds": hbm,
                   "tokens_per_second": {comm: batch / s for comm, s in steps.items()}}
 
 
-def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload) -> tuple[int, list[str]]:
-    """The DCP size to run and the reasons, along the three axes."""
+def fastest_backend(row: dict) -> str:
+    """The merge backend with the shortest step of a valid row (DCP 1 has only ag_rs)."""
+    return "ag_rs" if row["dcp"] == 1 else min(row["step_seconds"], key=row["step_seconds"].get)
+
+
+def _sizes(rows: list[dict]) -> str:
+    return ", ".join(str(r["dcp"]) for r in rows)
+
+
+def nothing_fits(rows: list[dict]) -> str:
+    """Why no DCP size runs, one clause per kind of rejection."""
+    parts = []
+    for kind in ("rules", "weights", "context"):
+        if group := [r for r in rows if r["rejected_by"] == kind]:
+            first = group[0]["rules_broken"][0]  # rules differ by size: the first size's is an example
+            verb = "breaks" if len(group) == 1 else "break"
+            parts.append(f"DCP {_sizes(group)} {verb} the model's rules (DCP {group[0]['dcp']}: {first})"
+                         if kind == "rules" else f"DCP {_sizes(group)}: {first}")
+    return f"nothing fits at TP {rows[0]['tp']}: " + "; ".join(parts)
+
+
+def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload) -> tuple[int | None, list[str]]:
+    """The DCP size to run (None: no size fits) and the reasons, along the three axes."""
     valid = [r for r in rows if r["valid"]]
-    reasons = []
     if not valid:
-        return 1, [f"model: no DCP size runs here: {rows[0]['rules_broken'][0]}"]
+        return None, [nothing_fits(rows)]
     if len(valid) == 1:
-        kind = "MHA" if cfg.num_key_value_heads == cfg.num_attention_heads and not cfg.use_mla else "this model"
-        reasons.append(f"model: {kind}: TP already splits every KV head, so there is no duplicate KV for DCP to "
-                       "remove; DCP > 1 rejected")
-        return 1, reasons
+        only, others = valid[0], [r for r in rows if not r["valid"]]
+        if only["dcp"] == 1 and not cfg.use_mla and only["tp"] <= cfg.num_key_value_heads:
+            kind = "MHA" if cfg.num_key_value_heads == cfg.num_attention_heads else "this model"
+            return 1, [(f"model: {kind}: TP already splits every KV head, so there is no duplicate KV for DCP to "
+                        "remove; DCP > 1 rejected")]
+        return only["dcp"], [f"model: only DCP {only['dcp']} fits; DCP {_sizes(others)}: {others[0]['rules_broken'][0]}"
+                             if others else f"model: DCP {only['dcp']}"]
     base = valid[0]
-    best = max(valid, key=lambda r: min(r["tokens_per_second"].values()))
+    best = max(valid, key=lambda r: max(r["tokens_per_second"].values()))  # ties: the smaller DCP
     attention = "MLA (one latent per token)" if cfg.use_mla else f"{cfg.num_key_value_heads} KV heads"
-    reasons.append(f"model: {attention}: DCP {valid[-1]['dcp']} holds {valid[-1]['kv_cache_size_tokens'] / base['kv_cache_size_tokens']:.1f}x "
-                   f"the tokens of DCP 1")
-    reasons.append(f"workload: {workload.concurrency} x ({workload.input_len} in + {workload.output_len} out): "
-                   f"{base['sequences_that_fit']} fit at DCP 1, {best['sequences_that_fit']} at DCP {best['dcp']}")
+    gain = valid[-1]["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
+    shape = f"{workload.concurrency} x ({workload.input_len} in + {workload.output_len} out)"
+    reasons = [f"model: {attention}: DCP {valid[-1]['dcp']} holds {gain:.1f}x the tokens of DCP {base['dcp']}",
+               (f"workload: {shape}: {base['sequences_that_fit']} fit at DCP {base['dcp']}, "
+                f"{best['sequences_that_fit']} at DCP {best['dcp']}")]
     if best["dcp"] > 1:
-        comm = min(best["step_seconds"], key=best["step_seconds"].get)
+        comm = fastest_backend(best)
         share = 1 - best["hbm_seconds"] / best["step_seconds"][comm]
         reasons.append(f"interconnect: {link.name}: collectives {share:.0%} of the DCP {best['dcp']} step ({comm})")
     else:
         reasons.append(f"interconnect: {link.name}: DCP's collectives cost more than its smaller KV reads save here")
     return best["dcp"], reasons
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def what_would_fit(cfg: ModelConfig, rows: list[dict], *, weight_dtype: str, workload: Workload,
+                   rows_at: Callable[[int, str], list[dict]]) -> list[dict]:
+    """When no DCP size fits (`rows`, one TP): each change that alone makes one fit, found by
+    planning it with `rows_at(tp, weight_dtype)`: the smallest TP that fits below and above this
+    one (TP must divide the query heads), fp8 weights, and the longest input + output that fits.
+    Each entry: change, value, dcp (the sizes that then fit) and text."""
+    tp, found = rows[0]["tp"], []
+    # a smaller TP only grows each device's weights and KV per token: no help once memory is what ran out
+    memory_bound = any(r["rejected_by"] != "rules" for r in rows)
+    heads = _divisors(cfg.num_attention_heads)
+    for candidates in ([] if memory_bound else [t for t in heads if t < tp], [t for t in heads if t > tp]):
+        for t in candidates:  # the smallest that fits, below and above this TP
+            if fitting := [r for r in rows_at(t, weight_dtype) if r["valid"]]:
+                found.append({"change": "tensor_parallel_size", "value": t, "dcp": [r["dcp"] for r in fitting],
+                              "text": f"devices: TP {t} ({t} devices) fits, at DCP {_sizes(fitting)}"})
+                break
+    if memory_bound and weight_dtype != FP8 and (fitting := [r for r in rows_at(tp, FP8) if r["valid"]]):
+        found.append({"change": "weight_dtype", "value": FP8, "dcp": [r["dcp"] for r in fitting],
+                      "text": f"weights: {FP8} weights fit at TP {tp}, at DCP {_sizes(fitting)}"})
+    if room := [r for r in rows if r["rejected_by"] == "context"]:
+        longest = max(r["kv_cache_size_tokens"] for r in room)
+        at = [r for r in room if r["kv_cache_size_tokens"] == longest]
+        many = longest // workload.concurrency
+        text = f"context: one sequence of up to {longest:,} tokens (input + output) fits at DCP {_sizes(at)}"
+        if workload.concurrency > 1 and many:
+            text += f"; all {workload.concurrency} at once at up to {many:,} tokens each"
+        found.append({"change": "context", "value": longest, "dcp": [r["dcp"] for r in at], "text": text})
+    return found
+
+
+LEGEND = (
+    "DCP: decode context parallel size; DCP re-uses the TP ranks, so every size runs on the same TP devices",
+    ("verdict: valid, or why not: a ParallelConfig / layout rule, no room for KV after the weights, or not one "
+     "sequence fits"),
+    "KV tokens: tokens the KV cache holds, all DCP ranks together, in the memory the weights leave",
+    "fit: sequences of input + output tokens the cache holds at once",
+    "batch: sequences decoded in one step, the fewer of --concurrency and fit",
+    ("KV read / step / device: KV bytes one device reads in one decode step, batch x mean context "
+     "(input + output / 2) x KV bytes per token per device; DCP d leaves each device 1/d of every sequence"),
+    ("collectives / step / device: bytes one device receives to merge DCP's partial attention, all layers, with "
+     "the ag_rs and a2a backends (none at DCP 1)"),
+    ("step ms: roofline of one decode step, (weights + KV read) / HBM bandwidth, plus collective bytes / link "
+     "bandwidth and the link's latency per collective"),
+    "tok/s (best): output tokens per second of the replica, batch / step time, with the faster backend",
+)
+
+
+def kv_read_notes(rows: list[dict]) -> list[str]:
+    """Why KV read / step / device rises from one valid DCP size to the next (the batch grows)."""
+    valid, notes = [r for r in rows if r["valid"]], []
+    for a, b in itertools.pairwise(valid):
+        if b["kv_read_bytes_per_step"] > a["kv_read_bytes_per_step"]:
+            notes.append(f"KV read / step / device rises from DCP {a['dcp']} to DCP {b['dcp']}: DCP {b['dcp']} decodes "
+                         f"{b['batch']} sequences a step where DCP {a['dcp']} holds only {a['batch']}, so each device "
+                         f"reads {a['dcp']}/{b['dcp']} as much per sequence for {b['batch'] / a['batch']:.2f}x the "
+                         "sequences")
+    return notes
+
+
+def _setup_line(plan: dict) -> str:
+    d, link, w = plan["device"], plan["link"], plan["workload"]
+    line = (f"{plan['model']}: TP {plan['tp']} on {d['name']} ({d['memory_gb']:g} GB, {plan['memory_utilization']:.0%} "
+            f"usable, {d['hbm_tbps']:g} TB/s), {link['name']} ({link['gbps']:g} GB/s, {link['latency_us']:g} us); "
+            f"weights {plan['weight_dtype']}, KV {plan['kv_cache_dtype']}; {w['concurrency']} x "
+            f"({w['input_len']} in + {w['output_len']} out)")
+    return line + (f"; from the file: {', '.join(plan['from_file'])}" if plan["from_file"] else "")
+
+
+def recommendation_lines(plan: dict) -> list[str]:
+    """`Recommended: ...`, its reasons and, when nothing fits, what would."""
+    choice, comm = plan["recommended_dcp"], plan["recommended_comm_backend"]
+    if choice is None:
+        lines = ["Recommended: nothing fits", *(f"- {reason}" for reason in plan["reasons"]),
+                 "What would fit (each change alone, planned):"]
+        return lines + ([f"- {alt['text']}" for alt in plan["what_would_fit"]] or [
+            ("- no TP that divides the query heads, fp8 weights or shorter context: a device with more memory "
+             "(--memory-gb)")])
+    backend = f" with dcp_comm_backend={comm}" if choice > 1 else ""
+    return [f"Recommended: DCP {choice}{backend}", *(f"- {reason}" for reason in plan["reasons"])]
+
+
+def plan_table(plan: dict) -> str:
+    header = ("| DCP | verdict | KV tokens | fit | batch | KV read / step / device "
+              "| collectives / step / device (ag_rs, a2a) | step ms (ag_rs, a2a) | tok/s (best) |")
+    lines = [_setup_line(plan), "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in plan["sizes"]:
+        if not r["valid"]:
+            lines.append(f"| {r['dcp']} | rejected: {'; '.join(r['rules_broken'])} | - | - | - | - | - | - | - |")
+            continue
+        c, t = r["collective_bytes_per_step"], r["step_seconds"]
+        lines.append(f"| {r['dcp']} | valid | {r['kv_cache_size_tokens']:,} | {r['sequences_that_fit']:,} "
+                     f"| {r['batch']:,} | {r['kv_read_bytes_per_step'] / 1e6:,.1f} MB "
+                     f"| {c['ag_rs'] / 1e6:,.2f} / {c['a2a'] / 1e6:,.2f} MB "
+                     f"| {t['ag_rs'] * 1e3:.2f} / {t['a2a'] * 1e3:.2f} | {max(r['tokens_per_second'].values()):,.0f} |")
+    lines += ["", *(f"  {entry}" for entry in LEGEND), *(f"  {note}" for note in kv_read_notes(plan["sizes"]))]
+    return "\n".join([*lines, "", *recommendation_lines(plan)])

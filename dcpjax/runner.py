@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dcpjax import logits_processors
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache
 from dcpjax.kernels.kv_cache import FP8
@@ -107,19 +108,22 @@ def width_bucket(pages: int) -> int:
 
 # Columns of a packed step input after the chunk's tokens and the block table. NEXT: the
 # prompt token after the chunk (the target of its last position's prompt logprob), or -1.
-START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, COUNTER, NEXT = range(12)
-NUM_META = 12
+# TEMPERATURE .. USES_STATE are a request's fixed sampling values (`_sampling_meta`).
+(START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, PRESENCE, FREQUENCY, REPETITION,
+ MIN_TOKENS, USES_STATE, COUNTER, NEXT) = range(17)
+NUM_META = 17
 
 
 def _sampling_meta(seq) -> np.ndarray:
-    """[TEMPERATURE..SEED] of a sequence as int32 (floats bit-cast), computed once per request."""
+    """[TEMPERATURE..USES_STATE] of a sequence as int32 (floats bit-cast), computed once per request."""
     meta = getattr(seq, "_sampling_meta", None)
     if meta is None:
         p = seq.params
-        floats = np.array([p.temperature, p.top_p, p.min_p], np.float32).view(np.int32)
+        floats = np.array([p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
+                           p.repetition_penalty], np.float32).view(np.int32)
         top_k = min(max(p.top_k, 0), 2**31 - 1)  # past the vocabulary it keeps everything: same draw
-        meta = np.array([floats[0], top_k, floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32)],
-                        np.int32)
+        meta = np.array([floats[0], top_k, floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32),
+                         *floats[3:], p.min_tokens, seq.logits_spec is not None], np.int32)
         seq._sampling_meta = meta
     return meta
 
@@ -178,6 +182,7 @@ class ModelRunner:
         self.kv_caches = tuple(self._empty_cache() for _ in range(cfg.num_hidden_layers))
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
+        self.processor_state: logits_processors.ProcessorState | None = None  # made when a request first needs it
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
@@ -224,7 +229,7 @@ class ModelRunner:
         num_slots, replicated, param_tree = self.max_num_seqs, self.replicated, self._param_tree
         models = {False: self._model(), True: self._model(all_positions=True)}
 
-        def step(param_leaves, kv_caches, slot_tokens, packed, chunk: int, config: SamplerConfig,
+        def step(param_leaves, kv_caches, slot_tokens, processor_state, packed, chunk: int, config: SamplerConfig,
                  prompt_top: int | None, verify: bool):
             state = jax.tree.unflatten(param_tree, param_leaves)
             width = packed.shape[1] - chunk - NUM_META
@@ -253,17 +258,25 @@ class ModelRunner:
             if verify:  # [B, T] samples: position j draws output token COUNTER + j (see spec_decode.verify)
                 sampled, last = verify_drafts(logits, batch.tokens, column(COUNT), rows, config)
             else:
-                sampled = sample(logits, rows, config)
+                edited = logits
+                if config.processors:  # penalties, logit_bias, ...: the logits sampled from, not those reported
+                    edited = logits_processors.apply(logits, processor_state, slot, logits_processors.ProcessorRows(
+                        column(USES_STATE) > 0, as_float(PRESENCE), as_float(FREQUENCY), as_float(REPETITION),
+                        column(MIN_TOKENS), column(COUNTER)))
+                sampled = sample(edited, rows, config, raw_logits=logits)
                 last = sampled.tokens
             target = jnp.where(column(SAMPLES) > 0, slot, num_slots)  # out of range: dropped
             slot_tokens = slot_tokens.at[target].set(last, mode="drop")
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
+            if config.processors:
+                processor_state = jax.lax.with_sharding_constraint(
+                    logits_processors.record(processor_state, target, last), replicated)
             if config.num_top is None:
-                return sampled.tokens, prompt_out, kv_caches, slot_tokens
+                return sampled.tokens, prompt_out, kv_caches, slot_tokens, processor_state
             out = jnp.concatenate([_as_bits(sampled.tokens)[..., None], _pack_logprobs(sampled[1:])], axis=-1)
-            return out, prompt_out, kv_caches, slot_tokens
+            return out, prompt_out, kv_caches, slot_tokens, processor_state
 
-        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top", "verify"), donate_argnums=(1, 2))
+        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top", "verify"), donate_argnums=(1, 2, 3))
 
     # -- one step ------------------------------------------------------------------------------
     def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray,
@@ -306,16 +319,28 @@ class ModelRunner:
             meta[:n, TEMPERATURE] = 0
             config = SamplerConfig()
         else:
-            config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size)
-        prompt_top = pow2_at_least(max(max(prompt_tops), 1)) if prompt_tops else None
+            config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size,
+                                    processors=any(r.seq.logits_spec is not None for r in rows if r.samples))
+        prompt_top = min(self.cfg.vocab_size, pow2_at_least(max(max(prompt_tops), 1))) if prompt_tops else None
         return packed, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
 
     def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,
                prompt_top: int | None = None, verify: bool = False) -> StepResult:
-        """Dispatch the step (returns at once; the device runs it) and start copying its output home."""
-        output, prompt_output, self.kv_caches, self.slot_tokens = self._step(
-            self._param_leaves, self.kv_caches, self.slot_tokens, packed, chunk=chunk, config=config,
+        """Dispatch the step (returns at once; the device runs it) and start copying its output home.
+        Admitted rows whose requests edit their logits first get their slot's rows installed."""
+        admitted = [r.seq for r in rows if r.admitted and r.seq.logits_spec is not None]
+        if admitted:
+            if self.processor_state is None:  # the first request that needs it
+                self.processor_state = jax.device_put(
+                    logits_processors.empty_state(self.max_num_seqs, self.cfg.vocab_size), self.replicated)
+            self.processor_state = logits_processors.install(self.processor_state, logits_processors.make_install(
+                admitted, self.max_num_seqs, self.cfg.vocab_size))
+        state = self.processor_state if config.processors else None
+        output, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
+            self._param_leaves, self.kv_caches, self.slot_tokens, state, packed, chunk=chunk, config=config,
             prompt_top=prompt_top, verify=verify)
+        if config.processors:
+            self.processor_state = state
         output.copy_to_host_async()
         if prompt_output is not None:
             prompt_output.copy_to_host_async()

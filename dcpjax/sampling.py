@@ -19,62 +19,147 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most a request may ask for (LLM(max_logprobs=...))
+MAX_LOGPROBS_LIMIT = 1024  # what SamplingParams itself accepts (top-k over the vocabulary on the device)
 
 
 @dataclasses.dataclass
 class SamplingParams:
     """How to pick tokens for one request (vLLM's fields and defaults).
 
+    n: completions to return for the prompt; best_of: completions to draw, of which the n with
+    the highest cumulative logprob are returned (default n). Completion i draws with seed + i.
     temperature 0 is greedy. top_k 0 or -1 and top_p 1 disable those filters.
+    presence_penalty / frequency_penalty: subtracted from a token's logit once if it was
+    generated before / once per time it was (OpenAI's, in [-2, 2]); repetition_penalty: a
+    logit of a token in the prompt or generated before is divided by it if positive, multiplied
+    if negative (Hugging Face's and vLLM's; > 1 discourages repeats, 1 is off).
+    logit_bias: {token id: bias} added to the logits (in [-100, 100]). allowed_token_ids: only these
+    tokens can be sampled. bad_words: words never generated (each tokenized with and without a
+    leading space; a word of several tokens bans its last token after the others were generated).
+    min_tokens: EOS and stop_token_ids cannot end the output before this many tokens, and stop
+    strings are not looked for before them.
     logprobs: how many top log-probabilities to return per generated token
     (the sampled token's is always included); None returns none.
     prompt_logprobs: the same for every prompt token after the first (vLLM's field; the
     prompt is then computed in full, not taken from the prefix cache).
+    Log-probabilities are those of the model's logits, before penalties and biases (vLLM's default).
     """
 
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16
     stop: str | Sequence[str] | None = None
     stop_token_ids: Sequence[int] | None = None
+    bad_words: Sequence[str] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        def bad(field, rule):
-            raise ValueError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
+        self._check_choices()
+        self._check_filters()
+        self._check_penalties()
+        self._check_lengths()
+        self._check_token_lists()
 
+    def _bad(self, field: str, rule: str):
+        raise ValueError(f"SamplingParams.{field} {rule}, got {getattr(self, field)!r}")
+
+    def _number(self, field: str, low: float, high: float, *, low_open: bool = False) -> None:
+        value = getattr(self, field)
+        if (not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high
+                or (low_open and value == low)):
+            self._bad(field, f"must be a number in {'(' if low_open else '['}{low}, {high}]")
+
+    def _check_choices(self) -> None:
+        if not _is_int(self.n) or self.n < 1:
+            self._bad("n", "must be an integer >= 1")
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of < self.n):
+            self._bad("best_of", f"must be an integer >= n ({self.n}) or None")
+        if self.seed is not None and not _is_int(self.seed):
+            self._bad("seed", "must be an integer or None")
+
+    def _check_filters(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
-            bad("temperature", "must be a finite number >= 0 (0 is greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            bad("seed", "must be an integer or None")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1 (or None: up to max_model_len)")
+            self._bad("temperature", "must be a finite number >= 0 (0 is greedy)")
+        self._number("top_p", 0, 1, low_open=True)
+        if not _is_int(self.top_k) or self.top_k < -1:
+            self._bad("top_k", "must be an integer >= -1 (0 or -1 disables it)")
+        self._number("min_p", 0, 1)
+
+    def _check_penalties(self) -> None:
+        self._number("presence_penalty", -2, 2)
+        self._number("frequency_penalty", -2, 2)
+        self._number("repetition_penalty", 0, float("inf"), low_open=True)
+        if self.repetition_penalty == float("inf"):
+            self._bad("repetition_penalty", "must be a finite number > 0 (1 is off)")
+        bias = self.logit_bias
+        if bias is not None and (not isinstance(bias, dict) or any(
+                not _is_int(k) or k < 0 or not isinstance(v, (int, float)) or not -100 <= v <= 100
+                for k, v in bias.items())):
+            self._bad("logit_bias", "must map token ids >= 0 to biases in [-100, 100]")
+
+    def _check_lengths(self) -> None:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            self._bad("max_tokens", "must be an integer >= 1 (or None: up to max_model_len)")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            self._bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            self._bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         for field in ("logprobs", "prompt_logprobs"):
             value = getattr(self, field)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or not 0 <= value <= MAX_LOGPROBS):
-                bad(field, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS_LIMIT):
+                self._bad(field, f"must be an integer in [0, {MAX_LOGPROBS_LIMIT}] or None")
+
+    def _check_token_lists(self) -> None:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
-            bad("stop", "must be a non-empty string or a list of them")
+            self._bad("stop", "must be a non-empty string or a list of them")
         self.stop = stops
-        ids = list(self.stop_token_ids or [])
-        if any(not isinstance(t, int) or t < 0 for t in ids):
-            bad("stop_token_ids", "must be a list of token ids >= 0")
-        self.stop_token_ids = ids
+        words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words or [])
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            self._bad("bad_words", "must be a list of non-empty strings")
+        self.bad_words = words
+        for field in ("stop_token_ids", "allowed_token_ids"):
+            value = getattr(self, field)
+            ids = None if value is None else list(value)
+            if ids is not None and any(not _is_int(t) or t < 0 for t in ids):
+                self._bad(field, "must be a list of token ids >= 0")
+            setattr(self, field, ids)
+        self.stop_token_ids = self.stop_token_ids or []
+        if self.allowed_token_ids == []:
+            self._bad("allowed_token_ids", "must hold at least one token id (or be None: every token)")
+
+    @property
+    def num_draws(self) -> int:
+        """Completions drawn for the prompt (best_of, else n)."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """The sampled tokens' logprobs are needed: asked for, or to rank best_of > n draws."""
+        return self.logprobs is not None or self.num_draws > self.n
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class SamplerConfig(NamedTuple):
@@ -83,11 +168,13 @@ class SamplerConfig(NamedTuple):
     all_greedy: every row is greedy (no random draws at all).
     candidates: tokens `lax.top_k` keeps for top_k / top_p rows (0: no such row).
     num_top: top log-probabilities to return (None: no row asked for logprobs).
+    processors: a row edits its logits first (penalties, logit_bias, ...: `logits_processors`).
     """
 
     all_greedy: bool = True
     candidates: int = 0
     num_top: int | None = None
+    processors: bool = False
 
 
 MIN_CANDIDATES = 256  # top_p rows: nuclei wider than this are found by bisection instead
@@ -99,14 +186,15 @@ def pow2_at_least(n: int) -> int:
 
 
 
-def sampler_config(params: Sequence[SamplingParams], vocab_size: int) -> SamplerConfig:
-    """The SamplerConfig for a step whose sampling rows use `params`."""
+def sampler_config(params: Sequence[SamplingParams], vocab_size: int, processors: bool = False) -> SamplerConfig:
+    """The SamplerConfig for a step whose sampling rows use `params` (`processors`: some row edits
+    its logits)."""
     random = [p for p in params if p.temperature > 0]
     limits = [p.top_k for p in random if p.top_k > 0] + [MIN_CANDIDATES for p in random if p.top_p < 1]
     candidates = min(vocab_size, pow2_at_least(max(limits))) if limits else 0
-    asked = [p.logprobs for p in params if p.logprobs is not None]
-    num_top = pow2_at_least(max(max(asked), 1)) if asked else None
-    return SamplerConfig(not random, candidates, num_top)
+    asked = [p.logprobs or 0 for p in params if p.needs_logprobs]
+    num_top = min(vocab_size, pow2_at_least(max(max(asked), 1))) if asked else None  # top_k needs k <= V
+    return SamplerConfig(not random, candidates, num_top, processors)
 
 
 class SamplingRows(NamedTuple):
@@ -229,12 +317,13 @@ def argmax(x: jax.Array) -> jax.Array:
     return best_chunk * ARGMAX_CHUNK + jnp.argmax(inside, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Sampled:
-    """Pick one token per row of `logits` [B, V] float32 (raw model logits).
+def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig, raw_logits: jax.Array | None = None) -> Sampled:
+    """Pick one token per row of `logits` [B, V] float32 (the model's, after any logits processors).
 
     Filters apply as in vLLM: temperature, then top_k, then top_p on the top_k-renormalised
     distribution, and min_p relative to the best token; the best token always stays.
-    Returned log-probabilities are of the raw logits (log_softmax), as vLLM reports them.
+    Returned log-probabilities are of the raw logits (`raw_logits`, default `logits`; log_softmax),
+    as vLLM reports them.
     """
     greedy_tokens = argmax(logits)
     if config.all_greedy:
@@ -275,7 +364,7 @@ def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig) -> Samp
         tokens = jnp.where(greedy, greedy_tokens, drawn)
     if config.num_top is None:
         return Sampled(tokens)
-    return Sampled(tokens, *token_logprobs(logits, tokens, config.num_top))
+    return Sampled(tokens, *token_logprobs(logits if raw_logits is None else raw_logits, tokens, config.num_top))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):

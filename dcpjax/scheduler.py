@@ -250,6 +250,7 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(seq)
             rows.append(self._row(seq, want))
+            rows[-1].admitted = True
             budget -= want
         prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
         decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]

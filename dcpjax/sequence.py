@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from dcpjax.logits_processors import LogitsSpec
 from dcpjax.outputs import Logprob
 from dcpjax.sampling import SamplingParams
 
@@ -25,6 +26,7 @@ class Sequence:
     params: SamplingParams
     max_total: int  # prompt + output tokens this sequence may reach
     seed: int  # the request's seed, or one drawn from the LLM's seed
+    logits_spec: LogitsSpec | None = None  # its penalties, logit_bias, bad words, ... (None: none)
     token_ids: list[int] = dataclasses.field(init=False)
     num_prompt_tokens: int = dataclasses.field(init=False)
     logprobs: list[dict[int, Logprob]] = dataclasses.field(default_factory=list)
@@ -92,6 +94,7 @@ class ScheduledRow:
     count: int
     samples: bool  # the chunk reaches the last known token: sample the next one
     device_input: bool  # the one input token is the previous step's sample, still on the device
+    admitted: bool = False  # the sequence's first row since it left the waiting queue (its slot is new)
     # speculative decoding: a decode row may verify up to `lookahead` drafts (room reserved by the
     # scheduler); `drafts` are the proposed tokens after the input, so count = 1 + len(drafts)
     lookahead: int = 0

@@ -144,7 +144,7 @@ def test_kv_cache_capacity_grows_with_dcp():
 @pytest.mark.parametrize(
     "field, value",
     [("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0), ("max_tokens", 0),
-     ("logprobs", 21), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1])],
+     ("logprobs", 1025), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1])],
 )
 def test_invalid_sampling_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"SamplingParams.{field}"):
@@ -172,7 +172,7 @@ def test_bad_requests_and_configurations():
 
 
 def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled(monkeypatch):
-    from dcpjax import llm as llm_module
+    from dcpjax import kv_budget as llm_module
 
     kw = dict(tp=2, kv_cache_memory_bytes=None, max_model_len=256)
     # plenty of memory: no more than 4 sequences of 256 tokens fill (16 blocks each)

@@ -104,10 +104,17 @@ def error_of(response, status: int) -> dict:
         ({"prompt": "x" * 40}, "prompt", ["41 tokens", f"max_model_len={MAX_MODEL_LEN}", "shorten it to at most 31"]),
         ({"prompt": [], "max_tokens": 2}, "prompt", ["empty"]),
         ({"prompt": "hi", "max_tokens": 33}, "max_tokens", ["max_tokens=33", "max_model_len=32", "at most"]),
-        ({"prompt": ["a", "b"]}, "prompt", ["one prompt per request"]),
+        ({"prompt": ["a", "b" * 40]}, "prompt", ["41 tokens", "shorten it"]),  # each prompt of a list is checked
         ({"prompt": "hi", "n": 17}, "n", ["n: Input should be less than or equal to 16"]),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["needs echo=true"]),
-        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ["less than or equal to 20"]),
+        ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ["max_logprobs=20", "--max-logprobs"]),
+        ({"prompt": "hi", "suffix": "end"}, "suffix", ["suffix", "not supported"]),
+        ({"prompt": "hi", "guided_json": {}}, "guided_json", ["unsupported field 'guided_json'"]),
+        ({"prompt": "hi", "best_of": 3, "n": 2, "stream": True}, "best_of", ["cannot stream"]),
+        ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias", ["token ids"]),
+        ({"prompt": "hi", "logit_bias": {"999": 1}}, "logit_bias", ["outside this model's vocabulary"]),
+        ({"prompt": "hi", "min_tokens": 9, "max_tokens": 4}, "min_tokens", ["<= max_tokens"]),
+        ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", ["less than or equal to 2"]),
     ],
 )
 def test_admission_errors_say_what_to_change(client, body, param, fragments):

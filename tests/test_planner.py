@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcpjax
-from dcpjax import plan, planner
+from dcpjax import cli, plan, planner
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import TINY_MODELS
 from dcpjax.sharding.traffic import hlo_collective_bytes
@@ -101,6 +101,91 @@ def test_mha_gets_dcp_1_and_bad_flags_get_errors(capsys):
     rows = [_row(mha, ParallelConfig(8, d)) for d in (1, 2, 4, 8)]
     choice, reasons = planner.recommend(mha, rows, planner.LINKS["nvlink"], WORKLOAD)
     assert choice == 1 and reasons[0].startswith("model: MHA")
-    for argv in (["--model", "tiny-llama", "--concurrency", "0"], ["--model", "nope"], []):
+    for argv in (["--model", "tiny-llama", "--concurrency", "0"], []):
         with pytest.raises(SystemExit):
             plan.main(argv)
+    capsys.readouterr()
+    assert cli.run(plan.main, ["--model", "nope"]) == 2
+    assert capsys.readouterr().err.startswith("error: --model: model 'nope' is neither")
+
+
+def _plan(capsys, *argv) -> dict:
+    assert plan.main(["--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _fits(capsys, *argv) -> bool:
+    return _plan(capsys, *argv)["recommended_dcp"] is not None
+
+
+TINY = ("--model", "tiny-llama", "--device", "cpu")
+
+
+@pytest.mark.parametrize("tp", ["4", "8"])
+@pytest.mark.parametrize("memory_kb, input_len", [(10, 64), (40, 64), (50, 64), (80, 64), (150, 4096), (1000, 64)])
+def test_the_recommendation_is_never_a_rejected_size(tp, memory_kb, input_len, capsys):
+    result = _plan(capsys, *TINY, "-tp", tp, "--memory-gb", str(memory_kb * 1e3 / 1e9), "--input-len", str(input_len))
+    valid = [r["dcp"] for r in result["sizes"] if r["valid"]]
+    assert (result["recommended_dcp"] in valid) if valid else result["recommended_dcp"] is None
+    assert (result["recommended_comm_backend"] is None) == (result["recommended_dcp"] is None)
+    assert not (valid and result["what_would_fit"])  # alternatives only when nothing fits
+
+
+def test_nothing_fits_says_what_would_and_each_change_is_planned(capsys):
+    """Weights of tiny-llama at TP 4 leave no room in 70 kB; at TP 8, or in fp8, they do."""
+    args = (*TINY, "-tp", "4", "--memory-gb", "7e-5", "--input-len", "64", "--output-len", "16")
+    result = _plan(capsys, *args)
+    assert result["recommended_dcp"] is None and [r["rejected_by"] for r in result["sizes"]] == [
+        "weights", "weights", "rules"]
+    changes = {alt["change"]: alt for alt in result["what_would_fit"]}
+    assert changes["tensor_parallel_size"]["value"] == 8 and changes["weight_dtype"]["value"] == "float8_e4m3fn"
+    assert "context" not in changes  # no size has room for one block: no length helps
+    for alt in result["what_would_fit"]:
+        flag = {"tensor_parallel_size": "-tp", "weight_dtype": "--weight-dtype"}[alt["change"]]
+        again = _plan(capsys, *args, flag, str(alt["value"]))
+        assert [r["dcp"] for r in again["sizes"] if r["valid"]] == alt["dcp"] and again["recommended_dcp"] in alt["dcp"]
+    assert plan.main([*args]) == 0
+    out = capsys.readouterr().out
+    assert "Recommended: nothing fits" in out and "- devices: TP 8 (8 devices) fits, at DCP 1, 2, 4" in out
+    assert "Recommended: DCP" not in out
+
+
+def test_a_shorter_context_is_the_longest_that_fits(capsys):
+    args = (*TINY, "--memory-gb", "1e-4", "--output-len", "16", "--concurrency", "4")
+    result = _plan(capsys, *args, "--input-len", "1000000")
+    assert result["recommended_dcp"] is None
+    [alt] = [alt for alt in result["what_would_fit"] if alt["change"] == "context"]
+    longest = alt["value"]
+    assert longest == max(r["kv_cache_size_tokens"] for r in result["sizes"] if "kv_cache_size_tokens" in r)
+    assert _fits(capsys, *args, "--input-len", str(longest - 16), "--concurrency", "1")
+    assert not _fits(capsys, *args, "--input-len", str(longest - 16 + 1), "--concurrency", "1")
+    assert f"all 4 at once at up to {longest // 4:,} tokens each" in alt["text"]
+    at_four = _plan(capsys, *args, "--input-len", str(longest // 4 - 16))
+    assert max(r.get("batch", 0) for r in at_four["sizes"]) == 4
+
+
+def test_a_tp_that_breaks_the_rules_gets_the_nearest_tps_that_fit(capsys):
+    result = _plan(capsys, *TINY, "-tp", "3")
+    assert result["recommended_dcp"] is None and {r["rejected_by"] for r in result["sizes"]} == {"rules"}
+    assert [(a["change"], a["value"]) for a in result["what_would_fit"]] == [("tensor_parallel_size", 1),
+                                                                              ("tensor_parallel_size", 4)]
+    assert result["reasons"][0].startswith("nothing fits at TP 3: DCP 1, 3 break the model's rules (DCP 1: ")
+
+
+def test_qwen3_235b_at_tp_6_fits_nowhere_and_tp_4_or_8_would(capsys):
+    """The issue's case: 64 query heads do not split over 6 devices."""
+    result = _plan(capsys, "--model", "configs/qwen3-235b-a22b-tp8-dcp2.json", "-tp", "6")
+    assert result["recommended_dcp"] is None and result["recommended_comm_backend"] is None
+    assert [(a["value"], a["dcp"]) for a in result["what_would_fit"]] == [(4, [1]), (8, [1, 2])]
+
+
+@pytest.mark.parametrize("link", ["nvlink", "ici", "dcn"])
+def test_the_recommendation_is_the_tables_fastest(link, capsys):
+    """On ici DCP 4 is fastest with a2a but slower than DCP 1 with ag_rs: the best backend counts."""
+    result = _plan(capsys, "--model", "tiny-llama", "--interconnect", link, "--input-len", "32768",
+                   "--concurrency", "64")
+    valid = [r for r in result["sizes"] if r["valid"]]
+    best = max(max(r["tokens_per_second"].values()) for r in valid)
+    chosen = next(r for r in valid if r["dcp"] == result["recommended_dcp"])
+    comm = result["recommended_comm_backend"]
+    assert chosen["tokens_per_second"][comm] == best

@@ -1,13 +1,22 @@
-"""The README's Python example and the main job run as written (fresh processes)."""
+"""The README's and docs/'s Python examples and the main job run as written (fresh processes);
+their command lines parse with the commands' own parsers; their links resolve.
+
+Every ```python block of README.md and docs/*.md runs in a fresh interpreter. Every
+`python -m dcpjax...` line of a ```bash block is parsed by that command's parser (and its
+TP/DCP checked against ParallelConfig's rules), without running it.
+"""
 
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _clean_env():
@@ -18,11 +27,20 @@ def _clean_env():
     return env
 
 
-README_BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+def _name(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix()
 
 
-@pytest.mark.parametrize("block", README_BLOCKS, ids=[f"block{i}" for i in range(len(README_BLOCKS))])
-def test_readme_python_examples_run(block):
+def _blocks(path: pathlib.Path, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), re.DOTALL)
+
+
+EXAMPLES = [(_name(path), i, block) for path in DOCS for i, block in enumerate(_blocks(path, "python"))]
+README_BLOCKS = [block for name, _, block in EXAMPLES if name == "README.md"]
+
+
+@pytest.mark.parametrize("block", [b for _, _, b in EXAMPLES], ids=[f"{n}-block{i}" for n, i, _ in EXAMPLES])
+def test_doc_python_examples_run(block):
     result = subprocess.run([sys.executable, "-c", block], cwd=ROOT, env=_clean_env(), capture_output=True,
                             text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -30,7 +48,146 @@ def test_readme_python_examples_run(block):
 
 
 def test_readme_has_examples():
-    assert len(README_BLOCKS) >= 2
+    assert len(README_BLOCKS) >= 1
+    # every example the README had before docs/ existed is still run, wherever it lives now
+    ran = "\n".join(block for _, _, block in EXAMPLES)
+    for marker in ("llm.generate(", "llm.chat(", "reset_prefix_cache", "speculative_config", "dcp_decode_attention",
+                   "append_kv", "best_of=", "presence_penalty", "start_server"):
+        assert marker in ran, f"no checked example uses {marker!r}"
+
+
+def test_readme_first_page_has_the_two_commands_and_links_every_page():
+    text = README.read_text()
+    setup = ("```bash\nmake demo   # the main job: SmolLM2-135M-Instruct answering chat questions at TP 9, DCP 3 on 9 "
+             "fake CPU devices, vs DCP 1\nmake test   # installs the package with test extras and runs the test suite "
+             "(8 fake CPU devices)\n```")
+    assert setup in text
+    assert text.index(setup) < len("\n".join(text.splitlines()[:40]))  # first page, before any long text
+    for page in DOCS[1:]:
+        assert f"]({_name(page)})" in text, f"the README's Documentation list does not link {_name(page)}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def _anchors(path: pathlib.Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    return {_slug(m) for m in re.findall(r"^#+ (.*)$", text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_name)
+def test_doc_links_resolve(path):
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.DOTALL)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{_name(path)} links {target}: no such file"
+        if anchor and linked.suffix == ".md":
+            assert anchor in _anchors(linked), f"{_name(path)} links {target}: no such heading"
+
+
+def _commands(path: pathlib.Path) -> list[list[str]]:
+    """The `python -m dcpjax...` command lines of a page's bash blocks, as argument lists."""
+    out = []
+    for block in _blocks(path, "bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            if not line.strip().startswith("python -m dcpjax"):
+                continue
+            words = shlex.split(line, comments=True)
+            for i, word in enumerate(words):
+                if word in ("&", "&&", "|", ">", ";"):
+                    words = words[:i]
+                    break
+            out.append(words[2:])  # drop "python -m"
+    return out
+
+
+COMMANDS = [(_name(path), words) for path in DOCS for words in _commands(path)]
+
+
+def _parse(module: str, argv: list[str]):
+    from dcpjax import cli
+
+    if module == "dcpjax":  # python -m dcpjax COMMAND ARGS
+        if not argv:
+            return None
+        module, argv = f"dcpjax.{argv[0]}", argv[1:]
+    if module == "dcpjax.generate":
+        from dcpjax import generate
+
+        return cli.parse_with_model(generate.build_parser(), argv)
+    if module == "dcpjax.serve":
+        from dcpjax.serve import __main__ as serve
+
+        return cli.parse_with_model(serve.build_parser(), argv)
+    if module == "dcpjax.bench":
+        from dcpjax.bench import __main__ as bench
+
+        return bench.parse_args(argv)
+    if module == "dcpjax.plan":
+        from dcpjax import plan
+
+        return plan.build_parser().parse_args(argv)
+    if module == "dcpjax.demo":
+        from dcpjax import demo
+
+        return demo.build_parser().parse_args(argv)
+    raise AssertionError(f"no such command: python -m {module}")
+
+
+@pytest.mark.parametrize("words", [w for _, w in COMMANDS], ids=[f"{n}-cmd{i}" for i, (n, _) in enumerate(COMMANDS)])
+def test_doc_command_lines_parse(words):
+    from dcpjax.config import ParallelConfig
+
+    try:
+        args = _parse(words[0], words[1:])
+    except SystemExit as exit_:
+        pytest.fail(f"`python -m {shlex.join(words)}` does not parse (exit {exit_.code}): see stderr above")
+    if args is not None and hasattr(args, "decode_context_parallel_size"):
+        ParallelConfig(args.tensor_parallel_size, args.decode_context_parallel_size,  # the rules' ValueError
+                       args.cp_kv_cache_interleave_size, args.dcp_comm_backend)
+
+
+def test_docs_show_command_lines():
+    assert len(COMMANDS) >= 10
+    assert {words[0] for _, words in COMMANDS} >= {"dcpjax.generate", "dcpjax.serve", "dcpjax.plan", "dcpjax.bench"}
+
+
+def test_readme_plan_output_is_what_plan_prints():
+    text = README.read_text()
+    match = re.search(r"```bash\n(python -m dcpjax\.plan [^\n]*)\n```\n\n```\n(.*?)```", text, re.DOTALL)
+    assert match, "the README's planner example: a ```bash command, then its output in a ``` block"
+    command, shown = match.groups()
+    result = subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=ROOT, env=_clean_env(),
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.splitlines()
+    for line in shown.splitlines():
+        assert line in printed, f"the README shows {line!r}; the planner prints:\n{result.stdout}"
+
+
+def test_install_page_shows_what_make_demo_runs():
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    make = " ".join(recipe.replace("\\\n", " ").replace("$(VENV)/bin/python", "python").split())
+    shown = [" ".join(b.replace("\\\n", " ").split()) for b in _blocks(ROOT / "docs" / "install.md", "bash")]
+    assert make in shown, f"docs/install.md does not show make demo's command: {make}"
+
+
+def test_architecture_layout_names_every_module():
+    layout = re.search(r"## Layout\n\n```\n(.*?)```", (ROOT / "docs" / "architecture.md").read_text(), re.DOTALL)
+    named = {line.split()[0] for line in layout.group(1).splitlines() if line and not line[0].isspace()}
+    for path in named:
+        assert (ROOT / path).exists(), f"docs/architecture.md's layout names {path}, which does not exist"
+    package = ROOT / "dcpjax"
+    modules = {f"dcpjax/{p.name}" for p in package.glob("*.py") if p.name != "__init__.py"}
+    modules |= {f"dcpjax/{p.name}/" for p in package.iterdir() if p.is_dir() and any(p.glob("*.py"))}
+    missing = sorted(m for m in modules if m not in named and not any(n.startswith(m) for n in named))
+    assert not missing, f"docs/architecture.md's layout does not name {missing}"
 
 
 def test_demo_prints_bytes_and_errors():

@@ -183,3 +183,24 @@ def test_start_server_fails_fast_with_the_servers_output():
     with pytest.raises(RuntimeError, match=r"exited with status 2(.|\n)*invalid choice: 'int4'"):
         start_server(["--dtype", "int4"])
     assert time.monotonic() - start < 60
+
+
+def test_sampling_fields_are_honoured_not_ignored(client):
+    """OpenAI's and vLLM's sampling fields change what is generated (the engine applies them on the device)."""
+    kw = dict(model=MODEL, prompt="Hello", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0]
+    penalised = client.completions.create(**kw, frequency_penalty=2.0, presence_penalty=2.0).choices[0]
+    assert penalised.text != plain.text
+    ab = {"ignore_eos": True, "allowed_token_ids": [ord("a"), ord("b")]}  # the byte tokenizer: id = byte
+    only = client.completions.create(**{**kw, "extra_body": ab}).choices[0].text
+    assert set(only) <= {"a", "b"}
+    other = client.completions.create(**{**kw, "extra_body": ab}, logit_bias={str(ord(only[0])): -100}).choices[0]
+    assert other.text[0] == ({"a", "b"} - {only[0]}).pop()
+    out = client.completions.create(model=MODEL, prompt=["Hello", "Other"], max_tokens=4, n=2, seed=3,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3] and out.usage.completion_tokens == 16
+    best = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, n=2, best_of=4, seed=3,
+                                     extra_body={"ignore_eos": True})
+    assert len(best.choices) == 2 and best.usage.completion_tokens == 16  # every draw is billed, as OpenAI does
+    with pytest.raises(openai.BadRequestError, match="unsupported field 'guided_regex'"):
+        client.completions.create(**{**kw, "extra_body": {"guided_regex": "a+"}})

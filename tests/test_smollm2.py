@@ -138,6 +138,11 @@ def test_chat_reply(llm):
     parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]} for m in chat["messages"]]
     both = llm.chat([parts, chat["messages"]], dcpjax.SamplingParams(temperature=0, max_tokens=1))
     assert [o.prompt_token_ids for o in both] == [chat["prompt"], chat["prompt"]]
+    # tools= reach the template (vLLM's LLM.chat): an inline template that renders them
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
+    with_tools = llm.chat(chat["messages"], dcpjax.SamplingParams(max_tokens=1), tools=[tool], chat_template=template)
+    assert with_tools[0].prompt == "[get_weather]" + chat["messages"][-1]["content"]
 
 
 # -- 9 fake devices, in a process of its own: every DCP layout ----------------------------------------

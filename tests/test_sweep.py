@@ -25,6 +25,8 @@ def test_sweep_runs_stages_writes_files_and_stops_at_a_failing_stage(tmp_path):
         (1, 24, 1), (1, 24, 2), (1, 200, 1), (2, 24, 1), (2, 24, 2), (2, 200, 1)]
     done = [s for s in stages if not s.get("error")]
     assert all(s["failed"] == 0 and s["ttft"]["median_ms"] > 0 and s["output_throughput"] > 0 for s in done)
+    # each stage draws prompts of its own: no stage is served from an earlier stage's prefix cache
+    assert all(s["prefix_cache_hit_rate"] < 0.1 for s in done), [s["prefix_cache_hit_rate"] for s in done]
     assert {s["kv_cache_size_tokens"] for s in stages if s["dcp"] == 2} == {
         2 * s["kv_cache_size_tokens"] for s in stages if s["dcp"] == 1}
     rows = list(csv.DictReader((out / "sweep.csv").read_text().splitlines()))

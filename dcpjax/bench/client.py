@@ -7,11 +7,11 @@ Each stream ends with its usage (`stream_options.include_usage`), whose
 `prompt_tokens_details.cached_tokens` gives the prefix cache hit rate (cached prompt
 tokens / prompt tokens, as vLLM counts it) and splits TTFT into hits and misses.
 
-Datasets: "random" (prompts of --input-len tokens, nothing shared) and
-"prefix-repetition" (vLLM's idea: --num-prefixes prefixes of --prefix-len tokens, each
-prompt one of them plus its own --suffix-len tokens; request i takes prefix i mod P, a
-round robin, which is least-recently-used eviction's worst case when the prefixes do not
-all fit in the cache).
+Datasets: "random" (prompts of --random-input-len tokens, nothing shared) and
+"prefix_repetition" (vLLM's: --prefix-repetition-num-prefixes prefixes of
+--prefix-repetition-prefix-len tokens, each prompt one of them plus its own
+--prefix-repetition-suffix-len tokens; request i takes prefix i mod P, a round robin, which
+is least-recently-used eviction's worst case when the prefixes do not all fit in the cache).
 """
 
 from __future__ import annotations
@@ -40,7 +40,12 @@ class RequestResult:
     error: str = ""
 
 
-WORDS = ["context", "parallel", "decode", "cache", "token", "device", "latent", "shard"]
+# 32 words, so that two random prompts rarely share a first cache block (32 tokens: about once in
+# 10^7 pairs; with 8 words once in 10^4, and a warm-up of 32 prompts often warmed a measured one)
+WORDS = ["context", "parallel", "decode", "cache", "token", "device", "latent", "shard", "prefill", "block",
+         "attention", "query", "key", "value", "softmax", "kernel", "mesh", "rank", "chunk", "batch",
+         "scheduler", "request", "stream", "sample", "layer", "head", "vector", "page", "table", "slot",
+         "budget", "window"]
 
 
 def _text(rng: random.Random, length: int) -> str:
@@ -51,14 +56,14 @@ def _text(rng: random.Random, length: int) -> str:
     return text[:length]
 
 
-def make_prompts(num: int, input_len: int, seed: int = 0) -> list[str]:
+def make_prompts(num: int, input_len: int, seed: int | str = 0) -> list[str]:
     """Prompts of about input_len tokens for a byte-level tokenizer (one character a token)."""
     rng = random.Random(seed)
     return [_text(rng, input_len) for _ in range(num)]
 
 
 def make_prefix_repetition_prompts(num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
-                                   seed: int = 0) -> list[str]:
+                                   seed: int | str = 0) -> list[str]:
     """`num` prompts: prefix i mod `num_prefixes` (of `prefix_len` tokens) + a suffix of its own."""
     if min(num, prefix_len, suffix_len, num_prefixes) < 1:
         raise ValueError("--num-prompts, --prefix-len, --suffix-len and --num-prefixes must be >= 1")
@@ -131,10 +136,12 @@ def _stats(values) -> dict:
             "p99_ms": float(np.percentile(values, 99))}
 
 
-async def run_benchmark(base_url: str, model: str, *, prompts: list[str], output_len: int,
+async def run_benchmark(base_url: str, model: str, *, prompts: list[str], output_len: int | list[int],
                         max_concurrency: int, request_rate: float = float("inf"), api_key: str | None = None,
-                        progress: bool = True, seed: int = 0) -> dict:
-    """Send `prompts` (at most `max_concurrency` at once, at `request_rate`) and measure."""
+                        progress: bool = True, seed: int = 0, desc: str = "requests") -> dict:
+    """Send `prompts` (at most `max_concurrency` at once, at `request_rate`) and measure.
+
+    `output_len`: tokens each request generates, or one count per prompt."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     num_prompts = len(prompts)
     limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
@@ -142,19 +149,20 @@ async def run_benchmark(base_url: str, model: str, *, prompts: list[str], output
         semaphore = asyncio.Semaphore(max_concurrency)
         peak, stop = [0.0], asyncio.Event()
         poller = asyncio.create_task(_poll_kv_usage(client, base_url, peak, stop))
-        bar = tqdm(total=num_prompts, desc="requests", disable=not progress)
+        bar = tqdm(total=num_prompts, desc=desc, disable=not progress)
         rng = np.random.default_rng(seed)
 
-        async def limited(prompt):
+        async def limited(prompt, max_tokens):
             async with semaphore:
-                r = await one_request(client, base_url, model, prompt, output_len, headers)
+                r = await one_request(client, base_url, model, prompt, max_tokens, headers)
             bar.update()
             return r
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        lengths = output_len if isinstance(output_len, list) else [output_len] * num_prompts
+        for prompt, max_tokens in zip(prompts, lengths, strict=True):
+            tasks.append(asyncio.create_task(limited(prompt, max_tokens)))
             if request_rate != float("inf"):
                 await asyncio.sleep(rng.exponential(1.0 / request_rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)

@@ -50,11 +50,14 @@ def add_arguments(p: argparse.ArgumentParser, compare_defaults: dict) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
 
 
-def _stage_args(args, input_len: int, concurrency: int) -> argparse.Namespace:
+def _stage_args(args, input_len: int, concurrency: int, index: int) -> argparse.Namespace:
+    """Stage `index`'s workload: prompts of its own (seed --seed + index), the same at both servers;
+    an earlier stage's prompts would be prefix-cache hits (98-99.8 %), which distorts its numbers."""
     stage = copy.copy(args)
+    stage.seed = args.seed + index
     stage.dataset, stage.input_len, stage.max_concurrency = "random", input_len, concurrency
     stage.num_prompts = args.prompts_per_stage or max(4, 2 * concurrency)
-    stage.num_warmups, stage.no_progress, stage.request_rate = concurrency, True, float("inf")
+    stage.num_warmups, stage.no_progress, stage.request_rate = None, True, float("inf")  # serving.warmup_count's warm-up
     return stage
 
 
@@ -68,7 +71,7 @@ def sweep_server(base_url: str, label: str, dcp: int, args, headers: dict) -> li
                    "kv_cache_size_tokens": card.get("kv_cache_size_tokens")}
             before = metric_value(base_url, "num_preemptions")
             try:
-                result = bench_server(base_url, card["id"], _stage_args(args, input_len, concurrency))
+                result = bench_server(base_url, card["id"], _stage_args(args, input_len, concurrency, len(stages)))
             except Exception as err:  # noqa: BLE001 - reported as the stage's failure, the sweep stops
                 result = {"failed": -1, "errors": [f"{type(err).__name__}: {err}"]}
             row |= result
@@ -101,7 +104,7 @@ def kv_capacity(engine_args: EngineArgs) -> dict[int, int]:
     import jax.numpy as jnp
 
     from dcpjax.config import ParallelConfig
-    from dcpjax.llm import CPU_DEFAULT_KV_BYTES
+    from dcpjax.kv_budget import CPU_DEFAULT_KV_BYTES
     from dcpjax.model_source import load_model_config
     from dcpjax.runner import kv_cache_layout
 
@@ -126,7 +129,7 @@ def main(args) -> int:
     if engine_args.kv_cache_memory_bytes is None and engine_args.num_cpu_devices:
         # CPU's default follows the host's free memory, which moves between the two servers:
         # fix the budget, so that both compare at the same KV bytes per device
-        from dcpjax.llm import CPU_DEFAULT_KV_BYTES
+        from dcpjax.kv_budget import CPU_DEFAULT_KV_BYTES
 
         engine_args = engine_args.with_kv_bytes(CPU_DEFAULT_KV_BYTES)
     stages, capacity = [], {}

@@ -39,7 +39,8 @@ import time
 from dcpjax.engine_args import EngineArgs
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
     return int(text)
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-path", help="prompts from a JSON file (a list of token id lists; cycled to "
                    "--num-prompts, each cut to --input-len), e.g. benchmarks/make_cycle_llama.py's; default: "
                    "random token ids")
-    p.add_argument("--num-iters", type=_positive_int, default=5,
+    p.add_argument("--num-iters", type=positive_int, default=5,
                    help="timed runs of the workload (and of transformers); the median run is reported")
     p.add_argument("--no-breakdown", action="store_true", help="skip the synchronous pass that measures device time")
     p.add_argument("--compare-transformers", action="store_true",

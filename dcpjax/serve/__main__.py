@@ -1,7 +1,10 @@
-"""`python -m dcpjax.serve`: an OpenAI-compatible server (vLLM's flag names).
+"""`python -m dcpjax.serve [MODEL]`: an OpenAI-compatible server (vLLM's flag names).
 
-    python -m dcpjax.serve --num-cpu-devices 8 --tensor-parallel-size 8 \\
+    python -m dcpjax.serve tiny-llama --num-cpu-devices 8 --tensor-parallel-size 8 \\
         --decode-context-parallel-size 2 --port 8000
+
+MODEL (as in `vllm serve MODEL`) is the same as --model. Each finished request logs one line
+on the "dcpjax.serve" logger (`request_log`); --disable-log-requests turns that off.
 """
 
 from __future__ import annotations
@@ -10,16 +13,19 @@ import argparse
 import logging
 import sys
 
+from dcpjax import cli
 from dcpjax.engine_args import EngineArgs
 from dcpjax.serve.faults import DEFAULT_FAILURE_TIMEOUT
 from dcpjax.serve.tool_parsers import PARSERS
 
 logger = logging.getLogger("dcpjax.serve")  # not __name__: that is "__main__" under python -m
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: the engine flags (`EngineArgs`), then the HTTP and multi-process ones."""
     p = argparse.ArgumentParser(prog="python -m dcpjax.serve", description=__doc__.split("\n\n")[0])
+    cli.add_model_positional(p)
     EngineArgs.add_cli_args(p)
     p.add_argument("--served-model-name", help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
@@ -40,15 +46,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinator-address", help="host:port of process 0, to run one model over several processes")
     p.add_argument("--num-processes", type=int, default=1)
     p.add_argument("--process-id", type=int, default=0, help="0 serves HTTP; the others follow its engine")
+    p.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS, default="warning",
+                   help="uvicorn's own log level; 'info' adds its access log (default: %(default)s, quieter than "
+                        "vLLM's info: dcpjax logs its own line per request)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log a line per finished request (method, path, status, request id, tokens, "
+                        "finish reason, latency)")
+    cli.add_debug_flag(p)
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, parsed."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = cli.parse_with_model(parser, argv)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(PARSERS))})")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+        parser.error(f"--process-id must be in [0, --num-processes) and --num-processes >= 1, got "
+                     f"--process-id {args.process_id} --num-processes {args.num_processes}")
+    if args.num_processes > 1 and not args.coordinator_address:
+        parser.error("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
     return args
 
 
@@ -57,8 +75,8 @@ def init_distributed(args: argparse.Namespace) -> None:
     import jax
 
     if args.num_processes > 1:
-        if not args.coordinator_address:
-            raise SystemExit("--num-processes > 1 needs --coordinator-address host:port")
+        if not args.coordinator_address:  # parse_args refuses this; a caller's own Namespace may not
+            raise ValueError("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
         if args.num_cpu_devices:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
@@ -80,10 +98,11 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     engine = AsyncEngine(llm.engine, metrics, channel, failure_timeout=args.failure_timeout)
     app = build_app(llm, engine, metrics, served_model_name=name, api_key=args.api_key,
                     max_body_bytes=args.max_request_bytes, chat_template=args.chat_template,
-                    tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser))
+                    tools=ToolConfig(args.enable_auto_tool_choice, args.tool_call_parser),
+                    log_requests=not args.disable_log_requests)
     draining = Draining()
     add_availability_guard(app, draining, engine)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = GracefulServer(config, engine, draining, args.shutdown_timeout)
     logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
     try:
@@ -97,7 +116,7 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Start the server (or, with --process-id > 0, follow process 0's engine)."""
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    cli.configure_logging()
     if args.num_cpu_devices:
         import jax
 
@@ -117,4 +136,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.run(main))

@@ -29,6 +29,7 @@ from dcpjax.serve.context import ServerContext
 from dcpjax.serve.errors import APIError, add_error_handling, error_response
 from dcpjax.serve.openapi import install_openapi, route_responses
 from dcpjax.serve.protocol import ModelList
+from dcpjax.serve.request_log import RequestLog
 from dcpjax.serve.tokenize_routes import add_tokenize_routes
 from dcpjax.serve.tool_calls import ToolConfig
 
@@ -40,12 +41,15 @@ DESCRIPTION = ("OpenAI-compatible text generation (vLLM's extra sampling fields)
 
 def build_app(llm, async_engine, metrics, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = 4 << 20, chat_template: str | None = None,
-              tools: ToolConfig | None = None) -> FastAPI:
+              tools: ToolConfig | None = None, log_requests: bool = True) -> FastAPI:
+    """The app; `log_requests`: one log line per finished request (`request_log`)."""
     app = FastAPI(title="dcpjax", version=dcpjax.__version__, description=DESCRIPTION, docs_url=None,
                   redoc_url=None)
     server = ServerContext(llm, async_engine, metrics, served_model_name, ChatTemplate(llm.tokenizer, chat_template),
                            int(time.time()), tools or ToolConfig())
     add_error_handling(app, api_key, max_body_bytes)
+    if log_requests:  # added after the request guard, so outside it: its 401s and 413s are logged too
+        app.add_middleware(RequestLog)
     responses = functools.partial(route_responses, api_key=api_key is not None)
     _add_info_routes(app, server, responses)
     add_completions_route(app, server, responses)

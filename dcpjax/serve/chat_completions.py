@@ -12,8 +12,9 @@ import time
 from fastapi import FastAPI
 
 from dcpjax.chat_template import text_content
+from dcpjax.requests import best_of
 from dcpjax.serve import logprob_format
-from dcpjax.serve.context import ServerContext, sse, usage
+from dcpjax.serve.context import ServerContext, prompt_key, sse, usage
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ChatCompletionResponse, ChatRequest
 from dcpjax.serve.tool_calls import StreamedToolCalls, parsed_message, tool_definitions
@@ -58,9 +59,8 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
         limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         params = server.sampling(body, getattr(body, limit), (body.top_logprobs or 0) if body.logprobs else None,
                                  limit)
-        seqs = server.sequences(ids, text, params, body.n, param="messages")
-        base = seqs[0].request_id.rsplit("-", 1)[0] if body.n > 1 else seqs[0].request_id
-        head = {"id": base.replace("cmpl-", "chatcmpl-"), "model": server.model}
+        seqs = server.sequences(ids, text, params, param="messages")
+        head = {"id": prompt_key(seqs[0]).replace("cmpl-", "chatcmpl-"), "model": server.model}
         if body.stream:
             async def chunks():
                 started = [False] * len(seqs)
@@ -78,7 +78,7 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
             return sse(chunks(), body, seqs, {**head, "object": "chat.completion.chunk"})
         await server.collect_all(seqs)
         choices = []
-        for i, seq in enumerate(seqs):
+        for i, seq in enumerate(best_of(seqs, body.n)):
             message, finish_reason = parsed_message(parser, opening + (seq.text or ""), seq.finish_reason)
             choices.append({"index": i, "message": message, "finish_reason": finish_reason,
                             "stop_reason": seq.stop_reason,

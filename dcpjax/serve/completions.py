@@ -6,7 +6,9 @@
 - `max_tokens: 0` with `echo`: the prompt (and its logprobs) alone. The engine still samples
   one token, which is dropped.
 - `prompt_logprobs` (vLLM's field): per prompt token `{token id: {logprob, rank, decoded_token}}`.
-- `n`: choices drawn independently, streamed interleaved by `index`.
+- `n`: choices drawn independently, streamed interleaved by `index`; `best_of`: that many drawn,
+  the n with the highest cumulative logprob returned (not streamed).
+- a list of prompts: each prompt's n choices, indexed prompt by prompt (index = prompt * n + j).
 """
 
 from __future__ import annotations
@@ -15,23 +17,29 @@ import time
 
 from fastapi import FastAPI
 
+from dcpjax.requests import best_of
 from dcpjax.serve import logprob_format
-from dcpjax.serve.context import ServerContext, sse, usage
+from dcpjax.serve.context import ServerContext, prompt_key, sse, usage
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import CompletionRequest, CompletionResponse
 
 
-def _prompt(server: ServerContext, body: CompletionRequest) -> tuple[list[int], str]:
-    """The one prompt of a body as (token ids, text); token-id prompts are decoded for echo."""
+def _prompts(server: ServerContext, body: CompletionRequest) -> list[tuple[list[int], str]]:
+    """Each prompt of a body as (token ids, text): a text, token ids, or a list of either;
+    token-id prompts are decoded for echo."""
     prompt = body.prompt
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise APIError(400, f"send one prompt per request (got a list of {len(prompt)})", param="prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        tokenizer = server.llm.tokenizer
-        return list(prompt), tokenizer.decode(prompt) if tokenizer is not None and body.echo else ""
-    return server.encode(prompt), prompt
+    many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
+    prompts = list(prompt) if many else [prompt]
+    if not prompts:
+        raise APIError(400, "the prompt list is empty: send at least one prompt", param="prompt")
+    tokenizer = server.llm.tokenizer
+    out = []
+    for one in prompts:
+        if isinstance(one, list):
+            out.append((list(one), tokenizer.decode(one) if tokenizer is not None and body.echo else ""))
+        else:
+            out.append((server.encode(one), one))
+    return out
 
 
 class _Choices:
@@ -82,30 +90,39 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
         """Complete a prompt (text or token ids); `stream: true` answers with server-sent events."""
         server.check_model(body.model)
         _check_echo(body)
-        ids, text = _prompt(server, body)
+        prompts = _prompts(server, body)
         max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
         # echo with logprobs returns the prompt's logprobs too
         prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
         if prompt_top is not None and body.prompt_logprobs is not None:
             prompt_top = max(prompt_top, body.prompt_logprobs)
         params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
-        seqs = server.sequences(ids, text, params, body.n)
-        request_id, model = seqs[0].request_id.rsplit("-", 1)[0] if body.n > 1 else seqs[0].request_id, server.model
-        head = {"id": request_id, "object": "text_completion", "model": model}
-        build = _Choices(server, body, ids, text)
+        groups = [server.sequences(ids, text, params) for ids, text in prompts]  # each prompt's draws
+        seqs = [seq for group in groups for seq in group]
+        head = {"id": prompt_key(seqs[0]), "object": "text_completion", "model": server.model}
+        builders = [_Choices(server, body, ids, text) for ids, text in prompts]
         if body.stream:
-            async def chunks():
-                offset = [0] * len(seqs)  # text_offset of each choice's next token (token texts, as unstreamed)
-                started = [False] * len(seqs)
-                async for i, u in server.stream_all(seqs):
-                    choice = build.choice(i, u.seq, u.text_delta, u.token_ids, u.logprobs, u.finish_reason,
-                                          not started[i], offset[i])
-                    started[i] = True
-                    if choice["logprobs"] is not None:
-                        offset[i] += sum(len(token) for token in choice["logprobs"]["tokens"])
-                    yield {**head, "created": int(time.time()), "choices": [choice]}
-            return sse(chunks(), body, seqs, head, build.usage)
+            return sse(_stream(server, body, groups, builders, head), body, seqs, head, builders[0].usage)
         await server.collect_all(seqs)
-        choices = [build.choice(i, seq, seq.text or "", seq.output_ids, seq.logprobs, seq.finish_reason, True)
-                   for i, seq in enumerate(seqs)]
-        return {**head, "created": int(time.time()), "choices": choices, "usage": build.usage(seqs)}
+        choices = []
+        for p, (group, build) in enumerate(zip(groups, builders)):
+            for j, seq in enumerate(best_of(group, body.n)):  # choice index: prompt by prompt, as OpenAI orders them
+                choices.append(build.choice(p * body.n + j, seq, seq.text or "", seq.output_ids, seq.logprobs,
+                                            seq.finish_reason, True))
+        return {**head, "created": int(time.time()), "choices": choices, "usage": builders[0].usage(seqs)}
+
+
+async def _stream(server: ServerContext, body: CompletionRequest, groups: list[list], builders: list, head: dict):
+    """The chunks of a streamed completion: each choice's deltas, interleaved as they come."""
+    seqs = [seq for group in groups for seq in group]
+    owner = [(p, j) for p, group in enumerate(groups) for j in range(len(group))]
+    offset = [0] * len(seqs)  # text_offset of each choice's next token (token texts, as unstreamed)
+    started = [False] * len(seqs)
+    async for i, u in server.stream_all(seqs):
+        p, j = owner[i]
+        choice = builders[p].choice(p * body.n + j, u.seq, u.text_delta, u.token_ids, u.logprobs, u.finish_reason,
+                                    not started[i], offset[i])
+        started[i] = True
+        if choice["logprobs"] is not None:
+            offset[i] += sum(len(token) for token in choice["logprobs"]["tokens"])
+        yield {**head, "created": int(time.time()), "choices": [choice]}

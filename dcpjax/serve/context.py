@@ -1,9 +1,10 @@
 """What the route handlers share: the model, the engine, request validation, and the
 plumbing of several choices (`n`) per request.
 
-A request with n > 1 becomes n engine sequences (each its own seed stream: with a seed,
-choice i uses seed + i, as vLLM does); the prefix cache lets the later ones reuse the
-first one's prompt KV in whole blocks.
+A request with n > 1 (or best_of) becomes that many engine sequences, built by the LLM's
+`dcpjax.requests.RequestBuilder` as offline requests are (with a seed, choice i uses
+seed + i, as vLLM does); the prefix cache lets the later ones reuse the first one's
+prompt KV in whole blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dcpjax.chat_template import ChatTemplate
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve import admission
 from dcpjax.serve.errors import APIError
+from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS
 from dcpjax.serve.tool_calls import ToolConfig
 
 
@@ -41,13 +43,27 @@ class ServerContext:
 
     def sampling(self, body, max_tokens, logprobs, max_tokens_param: str = "max_tokens",
                  prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's SamplingParams: its fields, else the model's generation_config defaults,
+        else vLLM's; a 400 naming the field for a value or a field the server cannot honour."""
+        check_extra_fields(body)
         admission.check_max_tokens(max_tokens, self.llm.max_model_len, max_tokens_param)
-        top_k = body.top_k or 0
+        if body.stream and body.best_of is not None and body.best_of > body.n:
+            raise APIError(400, "best_of > n cannot stream (the best choices are known only at the end): send "
+                                "stream=false, or drop best_of", param="best_of")
+        defaults = self.llm.default_sampling
+
+        def given(name: str, vllm_default):
+            value = getattr(body, name)
+            return value if value is not None else defaults.get(name, vllm_default)
+
+        top_k = given("top_k", 0)
         values = dict(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
+            n=body.n, best_of=body.best_of, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
             top_k=0 if top_k >= self.llm.model_config.vocab_size else top_k,  # the whole vocabulary: no filter
-            min_p=body.min_p or 0.0, seed=body.seed, max_tokens=max_tokens, stop=body.stop,
+            min_p=given("min_p", 0.0), presence_penalty=given("presence_penalty", 0.0),
+            frequency_penalty=given("frequency_penalty", 0.0), repetition_penalty=given("repetition_penalty", 1.0),
+            logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens, bad_words=body.bad_words,
+            allowed_token_ids=body.allowed_token_ids, seed=body.seed, max_tokens=max_tokens, stop=body.stop,
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
@@ -55,23 +71,19 @@ class ServerContext:
         try:
             return SamplingParams(**values)
         except ValueError as err:
-            raise APIError(400, str(err)) from err
+            raise APIError(400, str(err), param=_field_of(str(err))) from err
 
-    def sequences(self, ids: list[int], text: str | None, params: SamplingParams, n: int = 1,
-                  param: str = "prompt") -> list:
-        """The engine sequences of a prompt's n choices, once it passed admission (else a 400 naming the fix)."""
+    def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt") -> list:
+        """The engine sequences of a prompt's n (or best_of) choices, once it passed admission (else
+        a 400 naming the fix)."""
         llm = self.llm
         admission.check_token_ids(ids, llm.model_config.vocab_size)
         admission.check_prompt_length(len(ids), llm.max_model_len, param)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        seqs = []
-        for i in range(n):
-            choice = params if params.seed is None or i == 0 else dataclasses.replace(params, seed=params.seed + i)
-            try:
-                seqs.append(llm.make_sequence({"prompt_token_ids": ids, "prompt": text}, choice, 0,
-                                              request_id=request_id if n == 1 else f"{request_id}-{i}"))
-            except ValueError as err:
-                raise APIError(400, str(err), param=param) from err
+        try:
+            seqs = llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params,
+                                      request_id=f"cmpl-{uuid.uuid4().hex}")
+        except ValueError as err:
+            raise APIError(400, str(err), param=_field_of(str(err)) or param) from err
         scheduler = llm.engine.scheduler
         admission.check_kv_capacity(len(ids), seqs[0].max_total, kv_cache_size_tokens=llm.kv_cache_size_tokens,
                                     block_size=scheduler.block_size, dcp=scheduler.dcp)
@@ -122,13 +134,53 @@ class ServerContext:
 
 
 def usage(seqs: list) -> dict:
-    """OpenAI's usage of one request: the prompt once, the completion tokens of every choice."""
-    first = seqs[0]
+    """OpenAI's usage of one request: each prompt once, the completion tokens of every choice drawn
+    (best_of counts every draw, as OpenAI bills it)."""
+    prompts: dict[str, list] = {}  # the choices of each prompt (a completions request may hold several)
+    for seq in seqs:
+        prompts.setdefault(prompt_key(seq), []).append(seq)
+    prompt = sum(group[0].num_prompt_tokens for group in prompts.values())
     completion = sum(seq.num_output_tokens for seq in seqs)
-    return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.num_prompt_tokens + completion,
-            # the most any choice reused (the first of n usually computes the prefix the others share)
-            "prompt_tokens_details": {"cached_tokens": max(seq.num_cached_tokens or 0 for seq in seqs)}}
+    # per prompt, the most any choice reused (the first of n usually computes the prefix the others share)
+    cached = sum(max(seq.num_cached_tokens or 0 for seq in group) for group in prompts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def prompt_key(seq) -> str:
+    """The request id shared by a prompt's choices (`id-i` each when it draws several)."""
+    return seq.request_id.rsplit("-", 1)[0] if seq.params.num_draws > 1 else seq.request_id
+
+
+def check_extra_fields(body) -> None:
+    """A 400 for a request field this server does not know, or an OpenAI field it accepts only with
+    the values it honours by doing nothing (`protocol.ACCEPTED_EXTRA_FIELDS`)."""
+    for name, value in (body.model_extra or {}).items():
+        if name not in ACCEPTED_EXTRA_FIELDS:
+            raise APIError(400, f"unsupported field {name!r}: this server does not implement it (the request's "
+                                "fields are listed in /openapi.json); drop it", param=name)
+        accepted = ACCEPTED_EXTRA_FIELDS[name]
+        if accepted is not None and value not in accepted:
+            raise APIError(400, f"{name}={json.dumps(value)} is not supported by this server (it accepts only "
+                                f"{' or '.join(json.dumps(a) for a in accepted)}); drop it", param=name)
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} (JSON keys are strings) -> {token id: bias}."""
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids (strings of integers, as OpenAI's tokenizer "
+                            "gives them)", param="logit_bias") from None
+
+
+def _field_of(message: str) -> str | None:
+    """The field a 'SamplingParams.<field> ...' message names (the 400's param)."""
+    if message.startswith("SamplingParams."):
+        return message.removeprefix("SamplingParams.").split(" ", 1)[0].split("=", 1)[0]
+    return None
 
 
 def sse(chunks, body, seqs: list, head: dict, usage_of=usage) -> StreamingResponse:

@@ -95,7 +95,7 @@ def add_error_handling(app: FastAPI, api_key: str | None, max_body_bytes: int) -
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, err: RequestValidationError):
         message, param = _validation_message(err)
-        return error_response(400, message, code="invalid_request", param=param)
+        return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, err: StarletteHTTPException):

@@ -78,13 +78,21 @@ class ServerProcess:
             except OSError:
                 exited = [p for p in self.procs if p.poll() is not None]
                 if exited:
-                    self._fail(f"server process {exited[0].pid} exited with status {exited[0].returncode}")
+                    self._fail(f"server process {exited[0].pid} exited with status {exited[0].returncode}",
+                               usage=exited[0].returncode == 2)
                 time.sleep(0.5)
         self._fail(f"server did not answer {self.base_url}/health in {timeout:.0f} s")
 
-    def _fail(self, what: str) -> None:
+    def _fail(self, what: str, usage: bool = False) -> None:
+        """Stop every process and raise: ServerUsageError if the server refused its command line
+        (exit status 2: its one `error:` line is the message), else RuntimeError."""
         tail = self.log_tail()
         self.stop(timeout=5)
+        if usage:
+            last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
+            error = ServerUsageError(f"{what}: {last[0].strip()}; its output ends with:\n{tail}")
+            error.summary = f"the server did not start: {last[0].strip()}"
+            raise error
         raise RuntimeError(f"{what}; its output ends with:\n{tail}")
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -102,13 +110,20 @@ class ServerProcess:
             log.close()
 
 
+class ServerUsageError(RuntimeError, ValueError):
+    """The server refused its arguments (a user error: `dcpjax.cli` prints its `summary` line)."""
+
+    summary: str = ""
+
+
 def start_server(args: Sequence[str], *, followers: Sequence[Sequence[str]] = (), port: int | None = None,
                  timeout: float = 300.0, env: Mapping[str, str] | None = None) -> ServerProcess:
     """Start `python -m dcpjax.serve *args --port PORT` (PORT: a free one) and wait for /health.
 
     `followers`: the argument lists of the other processes of a multi-process server
     (`--process-id` > 0), started first. Raises RuntimeError with the servers' output tail
-    if a process exits or /health does not answer within `timeout` seconds. `env`: extra
+    if a process exits or /health does not answer within `timeout` seconds (ServerUsageError,
+    also a ValueError, when a process refused its arguments). `env`: extra
     environment variables of every process.
     """
     port = free_port() if port is None else port

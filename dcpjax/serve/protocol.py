@@ -12,8 +12,6 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dcpjax.sampling import MAX_LOGPROBS
-
 MAX_N = 16  # choices per request
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -27,37 +25,64 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    # clients send fields we do not use (user, ...); NaN and infinities are no sampling values
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # A field this server does not know is a 400 naming it (never silently ignored), except the
+    # OpenAI fields that do not change the output (`ACCEPTED_EXTRA_FIELDS`); NaN and infinities
+    # are no sampling values.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str = Field(description="the served model's name (GET /v1/models)")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most, <= max_model_len (default: "
                                    "16 for completions, up to max_model_len for chat); generation also stops at "
                                    "max_model_len tokens in all")
-    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1 (or the model's "
+                                      "generation_config.json)")
     top_p: float | None = Field(None, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N, description="choices per request, each drawn on its own (with a seed: "
+    n: int = Field(1, ge=1, le=MAX_N, description="choices per prompt, each drawn on its own (with a seed: "
                    "choice i uses seed + i); the prompt's KV is shared through the prefix cache")
+    best_of: int | None = Field(None, ge=1, le=MAX_N, description="draw this many (>= n) and return the n with the "
+                                "highest cumulative logprob; not with stream")
     stream: bool = Field(False, description="answer with server-sent events (text/event-stream)")
     stream_options: StreamOptions | None = None
     stop: StopString | list[StopString] | None = None
     seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted from the logit of every token "
+                                           "generated before (once)")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="subtracted from a token's logit once per "
+                                            "time it was generated")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, description="0 or -1 disables it")
     min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, description="a logit of a token in the prompt or generated "
+                                             "before is divided by it if positive, multiplied if negative (1: off)")
+    min_tokens: int = Field(0, ge=0, description="EOS and stop_token_ids cannot end the output before this many "
+                            "tokens")
+    bad_words: list[StopString] | None = Field(None, description="words never generated")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1, description="only these tokens are sampled")
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top logprobs per prompt token "
-                                        "(vLLM's field; returned as prompt_logprobs, null for the first token)")
+    prompt_logprobs: int | None = Field(None, ge=0, description="top logprobs per prompt token (vLLM's field; "
+                                        "returned as prompt_logprobs, null for the first); at most --max-logprobs")
+
+
+# OpenAI fields accepted although they do not change what is generated, with the values that are
+# honoured by doing nothing (None: any value). Any other unknown field is a 400.
+ACCEPTED_EXTRA_FIELDS: dict[str, tuple | None] = {
+    "user": None, "metadata": None, "store": (None, False), "service_tier": None,
+    "parallel_tool_calls": (None, True), "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]),
+    "suffix": (None, ""), "use_beam_search": (None, False), "skip_special_tokens": (None, True),
+}
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
-        description="text or token ids; a list of prompts must hold exactly one")
+        description="text or token ids, or a list of prompts (choices then go prompt by prompt: index = prompt * n "
+        "+ choice)")
     max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most (default 16); 0 only with "
                                    "echo (the prompt and, with logprobs, its logprobs alone)")
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, description="top logprobs per token; at most --max-logprobs")
     echo: bool = Field(False, description="the prompt comes first in the text (and, with logprobs, its tokens and "
                        "logprobs, the first token's null)")
 
@@ -112,7 +137,7 @@ class ChatRequest(SamplingFields, ChatTemplateFields):
         "and a named function need --tool-call-parser and open the call for the model (no constrained decoding)")
     max_completion_tokens: int | None = Field(None, ge=1, description="overrides max_tokens")
     logprobs: bool = Field(False, description="return each generated token's logprob (choices[].logprobs.content)")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="with logprobs: the most likely "
+    top_logprobs: int | None = Field(None, ge=0, description="with logprobs: the most likely "
                                      "tokens at each position")
 
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from dcpjax.config import ParallelConfig
+from dcpjax.config import ParallelConfig, TooFewDevicesError
 from dcpjax.kernels.kv_cache import KVCache
 
 TP_AXIS = "tp"
@@ -94,7 +94,7 @@ def make_mesh(pc: ParallelConfig, devices: Sequence[jax.Device] | None = None) -
     """
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < pc.tp:
-        raise ValueError(
+        raise TooFewDevicesError(pc.tp, len(devices),
             f"tensor_parallel_size={pc.tp} needs {pc.tp} devices but only {len(devices)} "
             f"{devices[0].platform if devices else ''} device(s) are visible. On CPU, fake devices "
             f"with XLA_FLAGS=--xla_force_host_platform_device_count={pc.tp} (or "

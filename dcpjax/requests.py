@@ -1,0 +1,136 @@
+"""Requests in: a prompt and its SamplingParams become engine Sequences, checked against the model.
+
+One prompt draws `params.num_draws` completions (n, or best_of), each its own Sequence: with a
+seed, completion i draws with seed + i (as vLLM does); the prefix cache lets the later ones reuse
+the first one's prompt KV. `request_output` folds them back into one RequestOutput, keeping the
+n best by cumulative logprob when best_of > n. The server and `LLM.generate` both build requests
+here, so a request the one accepts the other accepts too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterable
+
+from dcpjax.logits_processors import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, logits_spec
+from dcpjax.models.config import ModelConfig
+from dcpjax.outputs import RequestOutput
+from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
+from dcpjax.sequence import Sequence
+
+
+class RequestBuilder:
+    """Prompts -> Sequences for one loaded model (ValueError names what is wrong and the fix)."""
+
+    def __init__(self, cfg: ModelConfig, tokenizer, eos_token_ids: Iterable[int], *, max_model_len: int,
+                 seed: int, speculative: bool = False, max_logprobs: int = MAX_LOGPROBS):
+        self.cfg, self.tokenizer, self.eos = cfg, tokenizer, frozenset(eos_token_ids)
+        self.max_logprobs = max_logprobs
+        self.max_model_len, self.seed, self.speculative = max_model_len, seed, speculative
+        self._ids = itertools.count()
+
+    def prompt_ids(self, prompt, index: int) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: text, or {"prompt_token_ids": [...], "prompt": optional text}."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer (no tokenizer.json in its folder, or no tokenizer "
+                                 "metadata in its GGUF): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
+                                 "Face folder")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        raise ValueError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got "
+                         f"{type(prompt).__name__}")
+
+    def sequences(self, prompt, params: SamplingParams, index: int = 0,
+                  request_id: str | None = None) -> list[Sequence]:
+        """The `params.num_draws` sequences of one prompt (ids `request_id`, or `request_id-i` for several)."""
+        text, ids = self.prompt_ids(prompt, index)
+        self._check_prompt(ids, index)
+        self._check_params(params)
+        bad_words = self._bad_word_ids(params)
+        spec = logits_spec(params, ids, self.eos, bad_words)
+        budget = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        numbers = [next(self._ids) for _ in range(params.num_draws)]
+        base_id = request_id or str(numbers[0])
+        seqs = []
+        for i, number in enumerate(numbers):
+            seed = params.seed + i if params.seed is not None else self.seed * 1_000_003 + number
+            seqs.append(Sequence(
+                request_id=base_id if len(numbers) == 1 else f"{base_id}-{i}", prompt=text, prompt_ids=ids,
+                params=params, max_total=min(len(ids) + budget, self.max_model_len), seed=seed % 2**32,
+                logits_spec=spec))
+        return seqs
+
+    def _check_prompt(self, ids: list[int], index: int) -> None:
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        vocab = self.cfg.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             "room to generate")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot know alone: the vocabulary, the tokenizer, speculative decoding."""
+        for field in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, field) or 0) > self.max_logprobs:
+                raise ValueError(f"SamplingParams.{field}={getattr(params, field)} is more than this engine's "
+                                 f"max_logprobs={self.max_logprobs}: ask for fewer, or start with a larger "
+                                 "--max-logprobs")
+        vocab = self.cfg.vocab_size
+        for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            ids = getattr(params, field) or ()
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise ValueError(f"SamplingParams.{field} has token ids outside this model's vocabulary [0, {vocab}): "
+                                 f"{outside[:5]}")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none (pass tokenizer=)")
+        if self.speculative and (params.penalised or params.logit_bias or params.allowed_token_ids is not None
+                                 or params.bad_words or params.min_tokens):
+            raise ValueError("penalties, logit_bias, allowed_token_ids, bad_words and min_tokens are not supported "
+                             "with speculative decoding (drafts are verified against unedited logits): drop them, "
+                             "or start without speculative_config")
+
+    def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's tokens, alone and after a space (how it appears mid-text), as vLLM bans them."""
+        words: list[list[int]] = []
+        for word in params.bad_words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in words:
+                    words.append(ids)
+        too_long = [w for w in words if len(w) > MAX_BAD_WORD_TOKENS]
+        if too_long:
+            raise ValueError(f"SamplingParams.bad_words: a word of {len(too_long[0])} tokens; at most "
+                             f"{MAX_BAD_WORD_TOKENS} tokens per word")
+        if sum(len(w) > 1 for w in words) > MAX_BAD_WORDS:
+            raise ValueError(f"SamplingParams.bad_words: more than {MAX_BAD_WORDS} words of several tokens "
+                             "(counting each with and without a leading space)")
+        return words
+
+
+def best_of(seqs: list[Sequence], n: int) -> list[Sequence]:
+    """The n of `seqs` to return: all of them in order, or with more drawn (best_of) the n with the
+    highest cumulative logprob, best first (vLLM's order)."""
+    if len(seqs) <= n:
+        return seqs
+    ranked = sorted(seqs, key=lambda s: -(s.cumulative_logprob if s.cumulative_logprob is not None else -1e30))
+    return ranked[:n]
+
+
+def request_output(seqs: list[Sequence], make_output) -> RequestOutput:
+    """One RequestOutput for a prompt's sequences (`make_output(seq)` makes each one's)."""
+    params = seqs[0].params
+    chosen = best_of(seqs, params.n)
+    outputs = [dataclasses.replace(make_output(seq).outputs[0], index=i) for i, seq in enumerate(chosen)]
+    if params.best_of and params.logprobs is None:
+        for out in outputs:  # drawn only to rank the choices
+            out.logprobs, out.cumulative_logprob = None, None
+    first = make_output(seqs[0])
+    request_id = first.request_id.rsplit("-", 1)[0] if len(seqs) > 1 else first.request_id
+    return dataclasses.replace(first, request_id=request_id, outputs=outputs,
+                               finished=all(s.finished for s in seqs))

@@ -1,0 +1,165 @@
+"""`python -m dcpjax.plan` as a user meets it: a deployment file's settings, the defaults in --help,
+the link that follows the device, the table's legend, clean rule sentences, one-line errors."""
+
+import argparse
+import json
+import re
+
+import pytest
+
+from dcpjax import cli, plan, planner
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import ModelConfig
+
+# a small Llama in Hugging Face config.json fields (8 query heads, 2 KV heads)
+HF_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
+DEPLOYMENT = dict(name="small", model=HF_LLAMA, parallel={"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
+                  device_memory_bytes=2e6, memory_utilization=0.5, weight_dtype="float32", kv_cache_dtype="float16",
+                  block_size=32)
+
+
+def _write(tmp_path, data, name="deployment.json") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def _plan(capsys, *argv) -> dict:
+    assert plan.main(["--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_deployment_file_sets_the_defaults_and_flags_win(tmp_path, capsys):
+    path, cfg = _write(tmp_path, DEPLOYMENT), ModelConfig.from_hf(HF_LLAMA)
+    result = _plan(capsys, "--model", path)
+    assert (result["tp"], result["weight_dtype"], result["kv_cache_dtype"]) == (4, "float32", "float16")
+    assert (result["block_size"], result["memory_utilization"], result["device"]["memory_gb"]) == (32, 0.5, 2e-3)
+    assert result["from_file"] == sorted(["tensor_parallel_size", "weight_dtype", "kv_cache_dtype", "block_size",
+                                          "memory_gb", "memory_utilization"])
+    for row in (r for r in result["sizes"] if r["valid"]):
+        assert row["weight_bytes_per_device"] == plan.weight_bytes_per_device(cfg, ParallelConfig(4, row["dcp"]),
+                                                                              "float32")
+    flags = _plan(capsys, "--model", path, "-tp", "8", "--weight-dtype", "bfloat16", "--block-size", "16",
+                  "--memory-gb", "0.004", "--memory-utilization", "0.9", "--kv-cache-dtype", "bfloat16")
+    assert (flags["tp"], flags["weight_dtype"], flags["block_size"], flags["from_file"]) == (8, "bfloat16", 16, [])
+    assert flags["device"]["memory_gb"] == 0.004 and [r["dcp"] for r in flags["sizes"]] == [1, 2, 4, 8]
+    valid = next(r for r in flags["sizes"] if r["valid"])
+    assert valid["weight_bytes_per_device"] == plan.weight_bytes_per_device(cfg, ParallelConfig(8, valid["dcp"]),
+                                                                            "bfloat16")
+    # an explicit device is its preset's memory, not the file's
+    b200 = _plan(capsys, "--model", path, "--device", "b200")["device"]
+    assert b200["memory_gb"] == planner.DEVICES["b200"].memory_gb
+
+
+def test_the_shipped_deepseek_file_plans_fp8_weights_at_its_tp(capsys):
+    """The issue's case: its float8_e4m3fn weights leave room for KV at TP 8; bfloat16 ones do not."""
+    result = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--input-len", "1024")
+    assert (result["tp"], result["weight_dtype"]) == (8, "float8_e4m3fn") and result["recommended_dcp"] is not None
+    assert all(r["valid"] for r in result["sizes"])
+
+
+def test_help_shows_every_default(capsys):
+    parser = plan.build_parser()
+    text = " ".join(parser.format_help().split())
+    for action in parser._actions:
+        if not action.option_strings or isinstance(action, (argparse._HelpAction, argparse._StoreTrueAction)):
+            continue
+        assert "(default: " in (action.help or ""), action.option_strings
+        if action.default is not None:
+            assert f"(default: {action.default})" in text, action.option_strings
+
+
+@pytest.mark.parametrize("device, link", [("h200", "nvlink"), ("b200", "nvlink"), ("tpu-v5e", "ici"),
+                                          ("tpu-v6e", "ici"), ("cpu", "cpu")])
+def test_the_interconnect_follows_the_device(device, link, capsys):
+    assert _plan(capsys, "--model", "tiny-llama", "--device", device)["link"] == dataclass_dict(planner.LINKS[link])
+    explicit = _plan(capsys, "--model", "tiny-llama", "--device", device, "--interconnect", "pcie")
+    assert explicit["link"]["name"] == "pcie"
+    assert planner.LINKS[link].source and planner.DEVICES[device].link == link
+
+
+def dataclass_dict(link: planner.Link) -> dict:
+    return {"name": link.name, "gbps": link.gbps, "latency_us": link.latency_us, "source": link.source}
+
+
+def test_the_legend_explains_every_column(capsys):
+    assert plan.main(["--model", "tiny-llama", "-tp", "8"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("| DCP |"))
+    columns = [cell.strip().removesuffix(" (ag_rs, a2a)") for cell in header.strip("|").split("|")]
+    assert len(columns) == 9
+    for column in columns:
+        assert f"\n  {column}: " in out, column
+
+
+def test_a_rising_kv_read_is_explained(capsys):
+    """DCP 1 holds one sequence, DCP 2 three: each device reads half per sequence, for 3x the sequences."""
+    base = ("--model", "tiny-llama", "--device", "cpu", "--memory-gb", "1e-4", "--output-len", "16")
+    tokens = {r["dcp"]: r["kv_cache_size_tokens"] for r in _plan(capsys, *base)["sizes"] if "kv_cache_size_tokens" in r}
+    per_seq = int(tokens[1] / 1.6)  # fits once in DCP 1's cache, three times in DCP 2's (twice the tokens)
+    args = (*base, "--input-len", str(per_seq - 16), "--concurrency", "64")
+    rows = {r["dcp"]: r for r in _plan(capsys, *args)["sizes"]}
+    assert (rows[1]["batch"], rows[2]["batch"]) == (1, 3)
+    assert rows[2]["kv_read_bytes_per_step"] > rows[1]["kv_read_bytes_per_step"]
+    context = per_seq - 16 + 16 / 2
+    for r in (rows[1], rows[2]):  # the legend's formula
+        assert r["kv_read_bytes_per_step"] == pytest.approx(r["batch"] * context * r["kv_bytes_per_token_per_device"])
+    assert plan.main(list(args)) == 0
+    assert ("KV read / step / device rises from DCP 1 to DCP 2: DCP 2 decodes 3 sequences a step where DCP 1 holds "
+            "only 1, so each device reads 1/2 as much per sequence for 3.00x the sequences") in capsys.readouterr().out
+
+
+def test_rule_sentences_are_joined_without_doubled_punctuation(capsys):
+    """tiny-llama at TP 6 breaks two rules at DCP 2 and three at DCP 3 ("... = 2.; ..." before)."""
+    assert plan.main(["--model", "tiny-llama", "-tp", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "failed: 8 % 6 = 2; '" in out
+    assert not re.search(r"[.;:,]\s*[.;:,]", out.replace("...", "")), re.search(r".{40}[.;:,]\s*[.;:,].{20}", out)
+    for row in _plan(capsys, "--model", "tiny-llama", "-tp", "6")["sizes"]:
+        assert row["rules_broken"] and not any(s.endswith(".") for s in row["rules_broken"])
+
+
+# a deployment file's content, what the error says, and whether --model FILE says the same
+MALFORMED = [
+    ("{}", "no fields 'name', 'model', 'parallel', 'device_memory_bytes'", False),
+    ("[1, 2]", "a deployment file is a JSON object, not list", True),
+    ("not json", "is not a JSON file", True),
+    (json.dumps(DEPLOYMENT | {"model": {"architectures": ["LlamaForCausalLM"]}}),
+     "'model' has no 'num_attention_heads'", True),
+    (json.dumps(DEPLOYMENT | {"parallel": {"tp": 8}}), "'parallel' has unknown fields ['tp']", True),
+    (json.dumps(DEPLOYMENT | {"parallel": {"tensor_parallel_size": 8, "decode_context_parallel_size": 3}}),
+     "'parallel': Rule 'tensor_parallel_size % decode_context_parallel_size == 0' failed", True),
+    (json.dumps(DEPLOYMENT | {"block_size": 0}), "'block_size' must be an integer >= 1, got 0", True),
+    (json.dumps(DEPLOYMENT | {"weight_dtype": "int4"}), "'weight_dtype' must be one of", True),
+    (json.dumps({k: v for k, v in DEPLOYMENT.items() if k != "device_memory_bytes"}), "no field 'device_memory_bytes'",
+     False),
+]
+
+
+def _error(capsys, argv) -> str:
+    assert cli.run(plan.main, argv) == 2
+    captured = capsys.readouterr()
+    [line] = captured.err.splitlines()
+    assert line.startswith("error: ") and "Traceback" not in captured.err
+    return line
+
+
+@pytest.mark.parametrize("content, message, via_model", MALFORMED)
+def test_a_malformed_deployment_file_is_one_line_naming_the_file_and_field(content, message, via_model, tmp_path,
+                                                                           capsys):
+    path = _write(tmp_path, content)
+    line = _error(capsys, [path])
+    assert line.startswith(f"error: {path}") and message in line, line
+    if via_model:
+        line = _error(capsys, ["--model", path])
+        assert line.startswith(f"error: --model: {path}") and message in line, line
+
+
+def test_missing_files_and_models_are_one_line(tmp_path, capsys):
+    missing = str(tmp_path / "nope.json")
+    assert _error(capsys, [missing]) == f"error: no such file or folder: {missing} — check the path"
+    assert _error(capsys, ["--model", missing]).startswith(f"error: --model: model '{missing}' is neither")
+    empty = _write(tmp_path, "{}")
+    assert _error(capsys, ["--model", empty]).startswith(f"error: --model: {empty}: no field 'model'; a deployment")
