@@ -107,7 +107,7 @@ class LLM:
       speculative_config: speculative decoding (vLLM's dict): {"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 1} or
         {"method": "draft_model", "model": NAME_OR_FOLDER, "num_speculative_tokens": k}. Outputs are
-        those of plain decoding (see `dcpjax.spec_decode.verify`); steps then run synchronously.
+        those of plain decoding (see `dcpjax.sampling.verify`); steps then run synchronously.
       devices: the devices of the mesh, TP rank order (default: `jax.devices()`).
       load_format: "auto" (what the model is), "safetensors", "gguf" (insist on it) or "dummy"
         (random weights of the model's config: benchmarks without a checkpoint).

@@ -63,6 +63,10 @@ def model_path(model: str) -> str:
 
 
 def _unknown(model: str) -> ValueError:
+    path = pathlib.Path(model).expanduser()
+    if not path.exists() and (model.startswith((".", "/", "~")) or path.suffix in (".gguf", ".json")):
+        return ValueError(f"model {model!r}: no such file or folder — check the path (built-in models: "
+                          f"{', '.join(BUILTIN_NAMES)})")
     hint = ""
     if "/" in model and not pathlib.Path(model).exists() and not model.startswith((".", "/")):
         hint = (f"; dcpjax does not download models: fetch {model!r} first (e.g. `huggingface-cli download {model} "

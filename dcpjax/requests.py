@@ -13,10 +13,10 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
-from dcpjax.logits_processors import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, logits_spec
 from dcpjax.models.config import ModelConfig
 from dcpjax.outputs import RequestOutput
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
+from dcpjax.sampling.logits_processors import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, logits_spec
 from dcpjax.sequence import Sequence
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dcpjax import logits_processors
+from dcpjax import step_input
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache
 from dcpjax.kernels.kv_cache import FP8
@@ -33,10 +33,18 @@ from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.layers import unsplittable_dims
 from dcpjax.models.llama import LlamaForCausalLM
-from dcpjax.sampling import SamplerConfig, SamplingRows, pow2_at_least, sample, sampler_config, token_logprobs
+from dcpjax.sampling import (
+    SamplerConfig,
+    SamplingRows,
+    logits_processors,
+    pow2_at_least,
+    sample,
+    sampler_config,
+    token_logprobs,
+)
+from dcpjax.sampling.verify import verify_drafts
 from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, kv_head_slots, logical_spec
-from dcpjax.spec_decode.verify import verify_drafts
 
 MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
 
@@ -106,28 +114,6 @@ def width_bucket(pages: int) -> int:
     return pow2 * 3 // 4 if pow2 >= 16 and pages <= pow2 * 3 // 4 else pow2
 
 
-# Columns of a packed step input after the chunk's tokens and the block table. NEXT: the
-# prompt token after the chunk (the target of its last position's prompt logprob), or -1.
-# TEMPERATURE .. USES_STATE are a request's fixed sampling values (`_sampling_meta`).
-(START, COUNT, SLOT, DEVICE_INPUT, SAMPLES, TEMPERATURE, TOP_K, TOP_P, MIN_P, SEED, PRESENCE, FREQUENCY, REPETITION,
- MIN_TOKENS, USES_STATE, COUNTER, NEXT) = range(17)
-NUM_META = 17
-
-
-def _sampling_meta(seq) -> np.ndarray:
-    """[TEMPERATURE..USES_STATE] of a sequence as int32 (floats bit-cast), computed once per request."""
-    meta = getattr(seq, "_sampling_meta", None)
-    if meta is None:
-        p = seq.params
-        floats = np.array([p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty,
-                           p.repetition_penalty], np.float32).view(np.int32)
-        top_k = min(max(p.top_k, 0), 2**31 - 1)  # past the vocabulary it keeps everything: same draw
-        meta = np.array([floats[0], top_k, floats[1], floats[2], np.uint32(seq.seed % 2**32).view(np.int32),
-                         *floats[3:], p.min_tokens, seq.logits_spec is not None], np.int32)
-        seq._sampling_meta = meta
-    return meta
-
-
 def _as_bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
 
@@ -183,6 +169,7 @@ class ModelRunner:
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
         self.processor_state: logits_processors.ProcessorState | None = None  # made when a request first needs it
+        self.requests = step_input.RequestCache()  # each request's fixed sampling values, packed once
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
@@ -232,40 +219,35 @@ class ModelRunner:
         def step(param_leaves, kv_caches, slot_tokens, processor_state, packed, chunk: int, config: SamplerConfig,
                  prompt_top: int | None, verify: bool):
             state = jax.tree.unflatten(param_tree, param_leaves)
-            width = packed.shape[1] - chunk - NUM_META
-            meta = packed[:, chunk + width :]
-            column = lambda c: meta[:, c]
-            as_float = lambda c: jax.lax.bitcast_convert_type(meta[:, c], jnp.float32)
+            x = step_input.unpack(packed, chunk)
+            f = x.fields
             offsets = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-            slot = column(SLOT)
-            from_device = (column(DEVICE_INPUT) > 0)[:, None] & (offsets == 0)
+            from_device = (f.device_input > 0)[:, None] & (offsets == 0)
             batch = StepBatch(
-                tokens=jnp.where(from_device, slot_tokens[jnp.clip(slot, 0, num_slots - 1)][:, None], packed[:, :chunk]),
-                positions=column(START)[:, None] + offsets,
-                valid=offsets < column(COUNT)[:, None],
-                last_index=jnp.maximum(column(COUNT) - 1, 0),
-                block_tables=packed[:, chunk : chunk + width],
+                tokens=jnp.where(from_device, slot_tokens[jnp.clip(f.slot, 0, num_slots - 1)][:, None], x.tokens),
+                positions=f.start[:, None] + offsets,
+                valid=offsets < f.count[:, None],
+                last_index=jnp.maximum(f.count - 1, 0),
+                block_tables=x.block_tables,
             )
             logits, kv_caches = models[prompt_top is not None or verify](state, kv_caches, batch)
             prompt_out = None
             if prompt_top is not None:  # [B, T, vocab]: each position's logprob of the next prompt token
-                targets = jnp.where(offsets < column(COUNT)[:, None] - 1,
-                                    jnp.roll(batch.tokens, -1, axis=1), column(NEXT)[:, None])
+                targets = jnp.where(offsets < f.count[:, None] - 1, jnp.roll(batch.tokens, -1, axis=1), f.next[:, None])
                 prompt_out = _pack_logprobs(token_logprobs(logits, jnp.maximum(targets, 0), prompt_top))
                 logits = jnp.take_along_axis(logits, batch.last_index[:, None, None], axis=1)[:, 0]
-            rows = SamplingRows(as_float(TEMPERATURE), column(TOP_K), as_float(TOP_P), as_float(MIN_P),
-                                jax.lax.bitcast_convert_type(column(SEED), jnp.uint32), column(COUNTER))
-            if verify:  # [B, T] samples: position j draws output token COUNTER + j (see spec_decode.verify)
-                sampled, last = verify_drafts(logits, batch.tokens, column(COUNT), rows, config)
+            rows = SamplingRows(f.temperature, f.top_k, f.top_p, f.min_p, jax.lax.bitcast_convert_type(f.seed, jnp.uint32),
+                                f.counter)
+            if verify:  # [B, T] samples: position j draws output token counter + j (see sampling.verify)
+                sampled, last = verify_drafts(logits, batch.tokens, f.count, rows, config)
             else:
                 edited = logits
                 if config.processors:  # penalties, logit_bias, ...: the logits sampled from, not those reported
-                    edited = logits_processors.apply(logits, processor_state, slot, logits_processors.ProcessorRows(
-                        column(USES_STATE) > 0, as_float(PRESENCE), as_float(FREQUENCY), as_float(REPETITION),
-                        column(MIN_TOKENS), column(COUNTER)))
+                    edited = logits_processors.apply(logits, processor_state, f.slot, logits_processors.ProcessorRows(
+                        f.uses_state > 0, f.presence, f.frequency, f.repetition, f.min_tokens, f.counter))
                 sampled = sample(edited, rows, config, raw_logits=logits)
                 last = sampled.tokens
-            target = jnp.where(column(SAMPLES) > 0, slot, num_slots)  # out of range: dropped
+            target = jnp.where(f.samples > 0, f.slot, num_slots)  # out of range: dropped
             slot_tokens = slot_tokens.at[target].set(last, mode="drop")
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
             if config.processors:
@@ -285,7 +267,7 @@ class ModelRunner:
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
         greedy: sample every row greedily and skip logprobs (a draft model's proposals).
-        Returns (packed [B, T + P + NUM_META] int32 numpy, T, sampler config, top prompt
+        Returns (packed [B, T + P + F] int32 numpy (`dcpjax.step_input`), T, sampler config, top prompt
         logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
         """
         longest, verify = max(r.count for r in rows), any(r.drafts for r in rows)
@@ -293,36 +275,34 @@ class ModelRunner:
         if verify and longest <= self.verify_chunk:
             chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
         width = min(block_tables.shape[1], width_bucket(max(len(r.seq.blocks) for r in rows)))
-        packed = np.zeros((batch, chunk + width + NUM_META), np.int32)
         n = len(rows)
-        meta = packed[:, chunk + width :]
-        meta[:, SLOT] = self.max_num_seqs  # padding rows: no slot
+        step = step_input.PackedStep(batch, n, chunk, width, self.max_num_seqs)
         column = lambda values: np.fromiter(values, np.int32, n)
-        meta[:n, START] = column(r.start for r in rows)
-        meta[:n, COUNT] = column(r.count for r in rows)
-        meta[:n, SLOT] = slots = column(r.seq.slot for r in rows)
-        meta[:n, DEVICE_INPUT] = column(r.device_input for r in rows)
-        meta[:n, SAMPLES] = column(r.samples for r in rows)
-        meta[:n, TEMPERATURE:COUNTER] = np.stack([_sampling_meta(r.seq) for r in rows])
-        meta[:n, COUNTER] = column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows)  # the draw's index
-        packed[:n, chunk : chunk + width] = block_tables[slots, :width]
-        meta[:, NEXT] = -1
+        slots = column(r.seq.slot for r in rows)
+        step.set("start", column(r.start for r in rows))
+        step.set("count", column(r.count for r in rows))
+        step.set("slot", slots)
+        step.set("device_input", column(r.device_input for r in rows))
+        step.set("samples", column(r.samples for r in rows))
+        step.set_request_values(np.stack([self.requests.values(r.seq) for r in rows]))
+        step.set("counter", column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows))  # the draw's index
+        step.block_tables[:n] = block_tables[slots, :width]
         prompt_tops = []
         for i, row in enumerate(rows):
             if not row.device_input:  # prefill chunks, and a first token after a preemption
-                packed[i, : row.count] = row.input_ids
+                step.tokens[i, : row.count] = row.input_ids
             if row.wants_prompt_logprobs and not greedy:
                 prompt_tops.append(row.seq.params.prompt_logprobs)
                 end = row.start + row.count
-                meta[i, NEXT] = row.seq.token_ids[end] if end < row.seq.num_prompt_tokens else -1
+                step.set("next", row.seq.token_ids[end] if end < row.seq.num_prompt_tokens else -1, row=i)
         if greedy:
-            meta[:n, TEMPERATURE] = 0
+            step.set("temperature", np.zeros(n, np.float32))
             config = SamplerConfig()
         else:
             config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size,
                                     processors=any(r.seq.logits_spec is not None for r in rows if r.samples))
         prompt_top = min(self.cfg.vocab_size, pow2_at_least(max(max(prompt_tops), 1))) if prompt_tops else None
-        return packed, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
+        return step.array, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
 
     def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,
                prompt_top: int | None = None, verify: bool = False) -> StepResult:

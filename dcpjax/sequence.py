@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from dcpjax.logits_processors import LogitsSpec
 from dcpjax.outputs import Logprob
 from dcpjax.sampling import SamplingParams
+from dcpjax.sampling.logits_processors import LogitsSpec
 
 
 @dataclasses.dataclass(eq=False)  # identity, not field-by-field: queues look sequences up often

@@ -1,4 +1,4 @@
-"""Imports flow one way: kernels <- sharding <- models <- runner <- engine <- llm <- serve / bench.
+"""Imports flow one way: kernels <- sharding <- models <- sampling <- runner <- engine <- llm <- serve / bench.
 
 Read from the source (ast), so a new import against the flow fails here with the file named.
 """
@@ -15,7 +15,8 @@ LAYERS = {
     "kernels": LATER,
     "sharding": LATER[1:],
     "models": LATER[2:],
-    "runner": ["scheduler", "output_processor", *LATER[3:]],
+    "sampling": ["runner", "spec_decode", "scheduler", "output_processor", *LATER[3:]],  # part of the step
+    "runner": ["spec_decode", "scheduler", "output_processor", *LATER[3:]],  # the proposers build on the runner
     "engine": LATER[4:],
     "llm": LATER[5:],  # the offline API: the server and benchmarks build on it, never the reverse
 }

@@ -46,6 +46,7 @@ def one_error_line(capsys) -> str:
     (["-tp", "16"], ["needs 16 devices", "--num-cpu-devices 16"]),
     (["-tp", "8", "-dcp", "3"], ["must divide TP", "[1, 2, 4, 8]"]),
     (["--model", "no-such-model"], ["'no-such-model' is neither a built-in model", "tiny-llama"]),
+    (["--model", "./missing.gguf"], ["'./missing.gguf': no such file or folder", "check the path"]),
     ([HUB_ID], ["dcpjax does not download models", f"huggingface-cli download {HUB_ID}"]),
 ])
 def test_user_errors_are_one_line_and_exit_2(command, argv, fragments, capsys):

@@ -124,6 +124,13 @@ def test_admission_errors_say_what_to_change(client, body, param, fragments):
         assert fragment in error["message"], error["message"]
 
 
+def test_one_spelling_of_the_error_type_and_code(client):
+    """A body that fails validation and one the admission refuses say the same (it was "invalid_request")."""
+    invalid = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "n": 0}), 400)
+    refused = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "suffix": "x"}), 400)
+    assert invalid["code"] == refused["code"] == "invalid_request_error"
+
+
 def test_non_finite_sampling_values_are_refused(client):
     body = b'{"model": "tiny", "prompt": "hi", "temperature": NaN}'  # Python's json reads NaN; it is no temperature
     error = error_of(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400)

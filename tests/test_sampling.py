@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, _gumbel_from_bits, sample, sampler_config
+from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, sample, sampler_config
+from dcpjax.sampling.sampler import _gumbel_from_bits
 
 VOCAB = 3000
 

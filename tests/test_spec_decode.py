@@ -13,10 +13,10 @@ import pytest
 from dcpjax import LLM, SamplingParams
 from dcpjax.engine_args import EngineArgs
 from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
+from dcpjax.sampling.verify import verify_drafts
 from dcpjax.serve.metrics import Metrics
 from dcpjax.spec_decode import SpeculativeConfig
 from dcpjax.spec_decode.ngram import propose_ngram
-from dcpjax.spec_decode.verify import verify_drafts
 from dcpjax.testing import assert_same_generations
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}

@@ -97,7 +97,7 @@ class CausalLM(nnx.Module):
 
         Args:
           batch: the step's rows (`StepBatch`).
-          kv_caches: per layer, this rank's `KVCache` (pools [num_blocks, bs, kv_local, d], or
+          kv_caches: per layer, this rank's `KVCache` (pools [kv_local, num_blocks, bs, d], heads first, or
             MLA's latent; fp8 scales or None; no block tables: they come with the batch).
           all_positions: logits at every position (prompt logprobs), not only at last_index.
         Returns:

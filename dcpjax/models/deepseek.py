@@ -66,7 +66,7 @@ class MLAttention(nnx.Module):
         return apply_rope(x, positions, self.inv_freq, self.rope_factor)
 
     def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
-        """x [B, T, hidden]; kv: this rank's latent pool [blocks, bs, 1, lora + rope] (v None)."""
+        """x [B, T, hidden]; kv: this rank's latent pool [1, blocks, bs, lora + rope] (v None)."""
         positions = batch.positions
         if self.q_lora:
             q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])

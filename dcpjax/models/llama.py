@@ -45,7 +45,7 @@ class LlamaAttention(nnx.Module):
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
 
     def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
-        """x [B, T, hidden]; kv: this rank's K/V pools [blocks, bs, kv_local, d].
+        """x [B, T, hidden]; kv: this rank's K/V pools [kv_local, blocks, bs, d] (heads first).
 
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """

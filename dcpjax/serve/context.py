@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
@@ -25,12 +26,19 @@ from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS
 from dcpjax.serve.tool_calls import ToolConfig
 
+if TYPE_CHECKING:  # for the types only: the routes receive these objects, they do not build them
+    from dcpjax.llm import LLM
+    from dcpjax.serve.async_engine import AsyncEngine
+    from dcpjax.serve.metrics import Metrics
+
 
 @dataclasses.dataclass
 class ServerContext:
-    llm: object
-    async_engine: object
-    metrics: object
+    """What every route handler reads: the loaded model, the engine's asyncio front, the metrics."""
+
+    llm: LLM
+    async_engine: AsyncEngine | None  # None: an app that only admits (tests of the 400s)
+    metrics: Metrics
     model: str  # the served model name
     chat_template: ChatTemplate
     created: int
