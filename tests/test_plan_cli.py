@@ -160,6 +160,6 @@ def test_a_malformed_deployment_file_is_one_line_naming_the_file_and_field(conte
 def test_missing_files_and_models_are_one_line(tmp_path, capsys):
     missing = str(tmp_path / "nope.json")
     assert _error(capsys, [missing]) == f"error: no such file or folder: {missing} — check the path"
-    assert _error(capsys, ["--model", missing]).startswith(f"error: --model: model '{missing}' is neither")
+    assert _error(capsys, ["--model", missing]).startswith(f"error: --model: model '{missing}': no such file or folder")
     empty = _write(tmp_path, "{}")
     assert _error(capsys, ["--model", empty]).startswith(f"error: --model: {empty}: no field 'model'; a deployment")
