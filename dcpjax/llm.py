@@ -67,8 +67,8 @@ def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
     return eos
 
 
-def _generation_defaults(model: str, generation_config: str) -> dict:
-    defaults = generation_defaults(model, generation_config)
+def _generation_defaults(model_folder: str | None, generation_config: str) -> dict:
+    defaults = generation_defaults(model_folder, generation_config)
     if defaults:
         logger.info("default sampling parameters from the model's generation_config.json: %s (a request's own "
                     "values win; --generation-config vllm ignores them)", defaults)
@@ -160,7 +160,7 @@ class LLM:
         self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
         cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
         source = model_source(model, pc, seed, tokenizer, load_format=load_format)
-        self.default_sampling = _generation_defaults(model, generation_config)
+        self.default_sampling = _generation_defaults(source.folder, generation_config)
         self.model_config, self.tokenizer = source.config, source.tokenizer
         self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
         self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)

@@ -118,6 +118,7 @@ class ModelSource:
     config: ModelConfig
     tokenizer: object | None
     weights: Callable[[], TensorSource]
+    folder: str | None = None  # a Hugging Face folder's path (where generation_config.json may be)
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's names for the ones dcpjax reads
@@ -159,7 +160,7 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
     if weights is None or load_format == "dummy":
         weights = lambda: random_checkpoint(cfg, pc, seed)
     chosen = own_tokenizer() if own else load_tokenizer(tokenizer) if tokenizer is not None and with_tokenizer else None
-    return ModelSource(cfg, chosen, weights)
+    return ModelSource(cfg, chosen, weights, path if kind == "hf" else None)
 
 
 _KIND_NAMES = {"tiny": "a built-in tiny model", "hf": "a Hugging Face folder", "gguf": "a GGUF file",
@@ -171,23 +172,17 @@ GENERATION_DEFAULT_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_
                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(model: str, generation_config: str = "auto") -> dict:
+def generation_defaults(model_folder: str | None, generation_config: str = "auto") -> dict:
     """The model creator's default sampling parameters (vLLM's --generation-config): "auto" reads
-    generation_config.json of a Hugging Face folder (none for other kinds), "vllm" uses none, any
-    other value is a folder holding generation_config.json. Only the keys present in the file
-    count ({SamplingParams field: value})."""
-    if generation_config == "vllm":
+    generation_config.json of the model's Hugging Face folder (`ModelSource.folder`; other kinds
+    have none), "vllm" uses none, any other value is a folder holding generation_config.json. Only
+    the keys present in the file count ({SamplingParams field: value})."""
+    if generation_config == "vllm" or (generation_config == "auto" and model_folder is None):
         return {}
-    if generation_config == "auto":
-        kind, path = resolve(model)
-        if kind != "hf":
-            return {}
-        folder = pathlib.Path(path)
-    else:
-        folder = pathlib.Path(generation_config)
-        if not (folder / "generation_config.json").is_file():
-            raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a folder with "
-                             "generation_config.json")
+    folder = pathlib.Path(model_folder if generation_config == "auto" else generation_config)
+    if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config {generation_config!r} is not 'auto', 'vllm' or a folder with "
+                         "generation_config.json")
     file = folder / "generation_config.json"
     if not file.is_file():
         return {}

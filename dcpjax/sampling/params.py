@@ -93,8 +93,7 @@ class SamplingParams:
     def _check_penalties(self) -> None:
         self._number("presence_penalty", -2, 2)
         self._number("frequency_penalty", -2, 2)
-        self._number("repetition_penalty", 0, float("inf"), low_open=True)
-        if self.repetition_penalty == float("inf"):
+        if not isinstance(self.repetition_penalty, (int, float)) or not 0 < self.repetition_penalty < float("inf"):
             self._bad("repetition_penalty", "must be a finite number > 0 (1 is off)")
         bias = self.logit_bias
         if bias is not None and (not isinstance(bias, dict) or any(
