@@ -32,8 +32,9 @@ demo: $(BASE)
 attention-demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.demo --num-cpu-devices 8
 
+# PYTEST_ARGS: more pytest arguments (.ci/run leaves out the e2e cases on its older Python)
 test: $(TEST)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
 
 bench: $(BASE)
 	$(VENV)/bin/python benchmarks/attention.py

@@ -24,7 +24,7 @@ import httpx
 
 from dcpjax.bench.client import make_prompts, one_request
 from dcpjax.engine_args import EngineArgs
-from dcpjax.serve.launch import start_server
+from dcpjax.serve.process.launch import start_server
 
 # the server started when no --base-url is given: a KV cache small enough that this load preempts
 SERVER = EngineArgs(model="tiny-llama", tensor_parallel_size=8, decode_context_parallel_size=2,

@@ -22,7 +22,7 @@ from dcpjax.kernels import AttentionOptions, KVCache, check_attention_backend
 from dcpjax.kernels.kv_cache import FP8, MAX_CONTIGUOUS_PAGE, contiguous_page_size
 from dcpjax.sharding import layout
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots
-from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, check_mesh, kv_cache_spec, kv_head_slots, logical_spec
+from dcpjax.sharding.mesh import RULES, check_mesh, kv_head_slots
 
 # The public op's cache is the one `KVCache` type; its arrays are global and sharded:
 #   k [kv_slots, DCP * num_blocks, block_size, dk] split P("tp", "dcp", None, None): each rank
@@ -32,9 +32,9 @@ from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, check_mesh, kv_cac
 #   groups than heads, so each group holds the head its q heads use.
 DCPKVCache = KVCache
 
-_Q_SPEC = logical_spec("batch", "q_heads", None)  # [B, Hq, d] and [B, Hq] prefixes
-_LSE_SPEC = logical_spec("batch", "q_heads")
-_NEW_KV_SPEC = logical_spec("batch", "kv_heads", None)
+_Q_SPEC = RULES.spec("batch", "q_heads", None)  # [B, Hq, d] and [B, Hq] prefixes
+_LSE_SPEC = RULES.spec("batch", "q_heads")
+_NEW_KV_SPEC = RULES.spec("batch", "kv_heads", None)
 _REPLICATED = PartitionSpec()
 
 
@@ -151,7 +151,7 @@ def shard_kv_cache(
         raise ValueError(f"capacity ({capacity}) must be >= 1 and >= the tokens given ({seq})")
     capacity, block_size, blocks_per_seq, block_tables, num_blocks = _geometry(
         batch, capacity, pc, block_size, block_tables, num_blocks)
-    sharding = NamedSharding(mesh, KV_POOL_SPEC)
+    sharding = NamedSharding(mesh, RULES.kv_pool_spec)
 
     def place(x):
         local = _interleaved_local(_expand_heads(np.asarray(x), num_kv_heads, pc, axis=2),
@@ -193,10 +193,10 @@ def empty_kv_cache(
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
 
     quantized = jnp.dtype(dtype) == jnp.dtype(FP8)
-    scales = lambda: zeros(shape(0)[:3], jnp.float32, KV_SCALE_SPEC) if quantized else None
+    scales = lambda: zeros(shape(0)[:3], jnp.float32, RULES.kv_scale_spec) if quantized else None
     return KVCache(
-        k=zeros(shape(head_dim), dtype, KV_POOL_SPEC),
-        v=None if use_mla else zeros(shape(v_head_dim or head_dim), dtype, KV_POOL_SPEC),
+        k=zeros(shape(head_dim), dtype, RULES.kv_pool_spec),
+        v=None if use_mla else zeros(shape(v_head_dim or head_dim), dtype, RULES.kv_pool_spec),
         k_scale=scales(), v_scale=None if use_mla else scales(),
         block_tables=jax.device_put(jnp.asarray(block_tables), NamedSharding(mesh, _REPLICATED)),
         v_head_dim=v_head_dim if use_mla else (v_head_dim or head_dim), num_kv_heads=num_kv_heads, capacity=capacity,
@@ -250,7 +250,7 @@ def append_kv(
             raise ValueError(f"positions must lie in [0, capacity={cache.capacity}), got [{low}, {high}]")
     k_new = _expand_heads(k_new, cache.num_kv_heads, pc, axis=1)
     v_new = None if v_new is None else _expand_heads(v_new, cache.num_kv_heads, pc, axis=1)
-    return _append_fn(mesh, pc, kv_cache_spec(cache))(cache, k_new, v_new, positions)
+    return _append_fn(mesh, pc, RULES.kv_cache_spec(cache))(cache, k_new, v_new, positions)
 
 
 # -- decode attention -----------------------------------------------------------
@@ -304,5 +304,5 @@ def dcp_decode_attention(
         raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
     options = AttentionOptions(None if sm_scale is None else float(sm_scale), attention_backend,
                                mesh.devices.flat[0].platform)
-    out, lse = _decode_fn(mesh, pc, kv_cache_spec(cache), options)(q, cache, lengths)
+    out, lse = _decode_fn(mesh, pc, RULES.kv_cache_spec(cache), options)(q, cache, lengths)
     return (out, lse) if return_lse else out

@@ -5,7 +5,7 @@ the process). Each field carries its CLI flag(s), help, `choices` (taken from th
 own constants) and check. `EngineArgs.add_cli_args(parser)` generates the engine flags of
 `python -m dcpjax.generate`, `serve`, `bench` and `demo`; `EngineArgs.from_cli_args(args)`
 reads them back (checked again), `to_cli_args()` writes them out (to start a server) and
-`create_llm()` builds the engine.
+`create_engine_config()` makes the `EngineConfig` that `create_llm()` builds the engine from.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from dcpjax.config import COMM_BACKENDS, ParallelConfig
+from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
-from dcpjax.llm import DTYPES, KV_CACHE_DTYPES, LLM
-from dcpjax.model_source import BUILTIN_NAMES, LOAD_FORMATS
+from dcpjax.llm import LLM
+from dcpjax.loader.model_source import BUILTIN_NAMES, LOAD_FORMATS
 from dcpjax.sampling import MAX_LOGPROBS
 from dcpjax.spec_decode.config import SpeculativeConfig
 
@@ -238,7 +239,16 @@ class EngineArgs:
 
             use_cpu_devices(self.num_cpu_devices)
 
+    def create_engine_config(self) -> EngineConfig:
+        """These arguments as one checked `EngineConfig` (raises ValueError naming a broken rule)."""
+        values = self.llm_kwargs()
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
+                     "dcp_comm_backend", "speculative_config", "enforce_eager", "trust_remote_code"):
+            del values[name]  # grouped below, or accepted only for vLLM's command lines
+        return EngineConfig(parallel=self.parallel_config(),
+                            speculative=SpeculativeConfig.from_dict(self.speculative_config), **values)
+
     def create_llm(self, **kwargs: Any) -> LLM:
-        """`LLM(...)` with these arguments (`kwargs`, e.g. `devices`, are passed on)."""
+        """The `LLM` of these arguments (`kwargs`, e.g. `devices`, are passed on)."""
         logger.debug("creating LLM from %s", self)
-        return LLM(**self.llm_kwargs(), **kwargs)
+        return LLM.from_engine_config(self.create_engine_config(), **kwargs)

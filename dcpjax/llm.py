@@ -8,50 +8,30 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import jax
-import jax.numpy as jnp
 from tqdm.auto import tqdm
 
 from dcpjax.chat_template import ChatTemplate, text_content
-from dcpjax.checkpoint import restore_state, save_state
 from dcpjax.config import ParallelConfig
-from dcpjax.engine import Engine, Sequence
-from dcpjax.kernels import check_attention_backend
-from dcpjax.kv_budget import kv_bytes_per_device
-from dcpjax.model_source import generation_defaults, model_source
+from dcpjax.engine.config import EngineConfig
+from dcpjax.engine.core import Engine, Sequence
+from dcpjax.engine.requests import RequestBuilder, request_output
+from dcpjax.loader.checkpoint import restore_state, save_state
+from dcpjax.loader.model_source import generation_defaults, model_source
+from dcpjax.loader.weights import ignored_checkpoint_tensor, load_state, model_rules
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.registry import build_model
 from dcpjax.outputs import RequestOutput
-from dcpjax.requests import RequestBuilder, request_output
-from dcpjax.runner import ModelRunner, build_model, kv_block_layout, kv_cache_layout
+from dcpjax.runner.kv_budget import kv_bytes_per_device
+from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
+from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.spec_decode.config import SpeculativeConfig
 from dcpjax.spec_decode.draft_model import DraftModel
 from dcpjax.spec_decode.ngram import NgramProposer
-from dcpjax.weights import ignored_checkpoint_tensor, load_state, model_rules
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "half": jnp.float16, "float": jnp.float32}  # vLLM's aliases
-KV_CACHE_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn}
-
-
-def _resolve_dtype(name: str, what: str, platform: str):
-    if name == "auto":
-        return jnp.float32 if platform == "cpu" else jnp.bfloat16
-    if name not in DTYPES:
-        raise ValueError(f"{what} must be 'auto' or one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
-
-
-def _resolve_kv_cache_dtype(name: str, model_dtype, platform: str):
-    if name == "auto":
-        return model_dtype
-    if name in KV_CACHE_DTYPES:
-        return KV_CACHE_DTYPES[name]
-    return _resolve_dtype(name, "kv_cache_dtype ('auto', 'fp8' or a dtype name)", platform)
-
-
 def _checked_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
     value = max_model_len or cfg.max_position_embeddings
     if not 1 < value <= cfg.max_position_embeddings:
@@ -148,66 +128,76 @@ class LLM:
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
     ):
-        self.parallel_config = pc = ParallelConfig(
-            tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size, dcp_comm_backend
-        )
-        check_attention_backend(attention_backend)
-        layout.check_block_size(block_size, pc.interleave)
-        if max_num_batched_tokens < 1 or max_num_batched_tokens & (max_num_batched_tokens - 1):
-            raise ValueError(f"max_num_batched_tokens must be a power of two, got {max_num_batched_tokens}")
-        self.mesh = make_mesh(pc, devices)
-        device = self.mesh.devices.flat[0]  # its platform; a device of another process is fine for that
-        self.dtype = _resolve_dtype(dtype, "dtype", device.platform)
-        cache_dtype = _resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, device.platform)
-        source = model_source(model, pc, seed, tokenizer, load_format=load_format)
-        self.default_sampling = _generation_defaults(source.folder, generation_config)
-        self.model_config, self.tokenizer = source.config, source.tokenizer
-        self.max_model_len = _checked_max_model_len(max_model_len, self.model_config)
-        self.speculative_config = spec = SpeculativeConfig.from_dict(speculative_config)
-        draft = self._load_draft(spec, seed) if spec is not None and spec.method == "draft_model" else None
-        graphdef, state = self._load_weights(self.model_config, source.weights, orbax_checkpoint)
-        most_useful = self._kv_bytes_for(max_num_seqs, block_size, cache_dtype, draft)
-        kv = self._size_kv_cache(block_size, cache_dtype, kv_bytes_per_device(
-            kv_cache_memory_bytes, gpu_memory_utilization, self.mesh, most_useful), draft)
-        self.runner = ModelRunner(self.model_config, pc, self.mesh, graphdef, state, kv, attention_backend,
-                                  max_num_seqs, num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        proposer = self._proposer(spec, draft, kv, attention_backend, max_num_seqs) if spec is not None else None
         del enforce_eager, trust_remote_code  # accepted for vLLM's command lines (see the docstring)
-        self.seed = seed
-        self._start_engine(kv, block_size, max_num_seqs, max_num_batched_tokens, async_scheduling,
-                           enable_prefix_caching, proposer, max_logprobs)
+        parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
+                                  dcp_comm_backend)
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, parallel=parallel, dtype=dtype, max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,
+            attention_backend=attention_backend, seed=seed, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
+            orbax_checkpoint=orbax_checkpoint, enable_prefix_caching=enable_prefix_caching,
+            speculative=SpeculativeConfig.from_dict(speculative_config), load_format=load_format,
+            generation_config=generation_config, max_logprobs=max_logprobs)
+        self._load(config, devices)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, devices: Seq[jax.Device] | None = None) -> LLM:
+        """An LLM of `config` (what `EngineArgs.create_engine_config()` makes)."""
+        llm = cls.__new__(cls)
+        llm._load(config, devices)
+        return llm
+
+    def _load(self, config: EngineConfig, devices: Seq[jax.Device] | None) -> None:
+        """Mesh, model, weights, KV cache, runner and engine, in that order, from one config."""
+        self.config, self.parallel_config, self.seed = config, config.parallel, config.seed
+        self.mesh = make_mesh(config.parallel, devices)
+        # the platform of a device; one of another process is fine for that
+        self.dtype, cache_dtype = config.dtypes(self.mesh.devices.flat[0].platform)
+        source = model_source(config.model, config.parallel, config.seed, config.tokenizer,
+                              load_format=config.load_format)
+        self.default_sampling = _generation_defaults(source.folder, config.generation_config)
+        self.model_config, self.tokenizer = source.config, source.tokenizer
+        self.max_model_len = _checked_max_model_len(config.max_model_len, self.model_config)
+        self.speculative_config = spec = config.speculative
+        draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
+        graphdef, state = self._load_weights(self.model_config, source.weights, config.orbax_checkpoint)
+        kv = self._size_kv_cache(cache_dtype, draft)
+        self.runner = ModelRunner(self.model_config, config.parallel, self.mesh, graphdef, state, kv,
+                                  config.attention_backend, config.max_num_seqs,
+                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+        proposer = self._proposer(spec, draft, kv) if spec is not None else None
+        self.scheduler_config = config.scheduler_config(self.max_model_len)
+        self._start_engine(kv, proposer)
         self._chat_templates: dict[str | None, ChatTemplate] = {}
 
-    def _start_engine(self, kv, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
-                      async_scheduling: bool, enable_prefix_caching: bool, proposer, max_logprobs: int) -> None:
+    def _start_engine(self, kv, proposer) -> None:
         """The engine over the runner, and the request builder in front of it."""
-        spec, pc = self.speculative_config, self.parallel_config
+        spec, dcp, config = self.speculative_config, self.parallel_config.dcp, self.scheduler_config
         eos = _eos_token_ids(self.model_config, self.tokenizer)
-        self.engine = Engine(
-            self.runner, self.tokenizer, eos, block_size=block_size, max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching, proposer=proposer,
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-        )
-        logger.info("prefix caching: %s", f"on, in blocks of {block_size * pc.dcp} tokens ({block_size} x DCP "
-                    f"{pc.dcp}), up to {kv.num_blocks} cached blocks" if enable_prefix_caching else "off")
+        self.engine = Engine(self.runner, self.tokenizer, eos, config, proposer)
+        block = config.block_size
+        logger.info("prefix caching: %s", f"on, in blocks of {block * dcp} tokens ({block} x DCP {dcp}), up to "
+                    f"{kv.num_blocks} cached blocks" if config.enable_prefix_caching else "off")
         self.requests = RequestBuilder(self.model_config, self.tokenizer, eos, max_model_len=self.max_model_len,
-                                       seed=self.seed, speculative=spec is not None, max_logprobs=max_logprobs)
+                                       seed=self.seed, speculative=spec is not None,
+                                       max_logprobs=self.config.max_logprobs)
 
-    def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv, attention_backend: str,
-                  max_num_seqs: int):
+    def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv):
         """The speculative proposer of `spec`'s k drafts per decode row."""
         k = spec.num_speculative_tokens
         logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method, k)
         if draft is None:
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return draft.proposer(k, self.parallel_config, self.mesh, kv, attention_backend, max_num_seqs)
+        return draft.proposer(k, self.parallel_config, self.mesh, kv, self.config.attention_backend,
+                              self.config.max_num_seqs)
 
-    def _load_draft(self, spec: SpeculativeConfig, seed: int) -> DraftModel:
+    def _load_draft(self, spec: SpeculativeConfig) -> DraftModel:
         """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
         spec.check_draft_tp(self.parallel_config.tp)
         model = spec.model
-        draft_source = model_source(model, self.parallel_config, seed, with_tokenizer=False)
+        draft_source = model_source(model, self.parallel_config, self.seed, with_tokenizer=False)
         cfg, weights = draft_source.config, draft_source.weights
         target = self.model_config
         if cfg.vocab_size != target.vocab_size:
@@ -234,18 +224,23 @@ class LLM:
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         return graphdef, state
 
-    def _kv_bytes_for(self, num_seqs: int, block_size: int, cache_dtype, draft=None) -> int:
+    def _kv_bytes_for(self, num_seqs: int, cache_dtype, draft=None) -> int:
         """KV bytes per device that `num_seqs` sequences of max_model_len fill (with a draft's cache)."""
-        cfg, pc = self.model_config, self.parallel_config
+        cfg, pc, block_size = self.model_config, self.parallel_config, self.config.block_size
         per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=cache_dtype).bytes_per_block_per_device(
             cfg.num_hidden_layers, pc.kv_head_groups)
         per_block += draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0
         return num_seqs * layout.blocks_needed(self.max_model_len, block_size, pc.dcp) * per_block
 
-    def _size_kv_cache(self, block_size: int, cache_dtype, bytes_per_device: int, draft=None):
-        """The KV cache layout for `bytes_per_device`; logs its size, checks that max_model_len fits.
-        With a draft model, the bytes are shared so that both caches hold the same number of blocks
-        (the draft's cache uses the target's block tables)."""
+    def _size_kv_cache(self, cache_dtype, draft=None):
+        """The KV cache layout for the configured bytes per device (by default, a share of device
+        memory, at most what max_num_seqs sequences fill); logs its size, checks that max_model_len
+        fits. With a draft model, the bytes are shared so that both caches hold the same number of
+        blocks (the draft's cache uses the target's block tables)."""
+        config = self.config
+        bytes_per_device = kv_bytes_per_device(config.kv_cache_memory_bytes, config.gpu_memory_utilization, self.mesh,
+                                               self._kv_bytes_for(config.max_num_seqs, cache_dtype, draft))
+        block_size = config.block_size
         cfg, pc = self.model_config, self.parallel_config
         kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device,
                              extra_bytes_per_block=draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0)
@@ -283,7 +278,7 @@ class LLM:
 
     def make_sequences(self, prompt, params: SamplingParams, index: int = 0,
                        request_id: str | None = None) -> list[Sequence]:
-        """The sequences of one prompt's `params.best_of or params.n` completions (see `dcpjax.requests`)."""
+        """The sequences of one prompt's `params.best_of or params.n` completions (see `dcpjax.engine.requests`)."""
         return self.requests.sequences(prompt, params, index, request_id)
 
     def generate(

@@ -29,10 +29,11 @@ from flax import nnx
 
 from dcpjax import cli
 from dcpjax.config import ParallelConfig
-from dcpjax.model_source import load_model_config, resolve
+from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
-from dcpjax.runner import build_model, kv_cache_layout, layout_problems
-from dcpjax.sharding.mesh import mesh_ways
+from dcpjax.models.registry import build_model, layout_problems
+from dcpjax.runner.kv_layout import kv_cache_layout
+from dcpjax.sharding.mesh import RULES
 
 GB = 1e9
 DEFAULT_TP, DEFAULT_DEVICE = 8, "h200"
@@ -135,7 +136,7 @@ def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, dtype) -> int:
     total = 0
     for _, var in nnx.to_flat_state(state):
         value = var.get_value()
-        shard = math.prod(n // mesh_ways(a, pc) for n, a in zip(value.shape, var.logical_axes))
+        shard = math.prod(n // RULES.ways(a, pc) for n, a in zip(value.shape, var.logical_axes))
         total += shard * jnp.dtype(value.dtype).itemsize
     return total
 

@@ -17,7 +17,8 @@ from collections.abc import Callable
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.runner import kv_block_layout, kv_cache_layout, layout_problems
+from dcpjax.models.registry import layout_problems
+from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
 
 GB = 1e9

@@ -1,5 +1,13 @@
 """One request as the engine tracks it (its tokens, its KV blocks, how far it has got), and its
-part of a step (`ScheduledRow`), which the scheduler makes and the runner packs."""
+part of a step (`ScheduledRow`), which the scheduler makes and the runner packs.
+
+Below the engine and the runner (both read these types), above sampling. Who writes what:
+the scheduler alone writes the scheduler state (blocks, slot, num_computed, num_pending, the
+prefix-cache fields) and a row's drafts; the output processor alone writes the output state
+(token_ids after the prompt, logprobs, text, finish_reason and stop_reason; the engine writes
+finish_reason "abort"); the runner and the draft model keep what they need of a request in their
+own caches, keyed by the sequence (`runner.step_input.RequestCache`, `DraftModelProposer`).
+"""
 
 from __future__ import annotations
 
@@ -43,7 +51,6 @@ class Sequence:
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_hashed_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
     prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
-    draft_computed: int = 0  # tokens whose KV the draft model's cache holds (speculative decoding)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
 
@@ -99,13 +106,6 @@ class ScheduledRow:
     # scheduler); `drafts` are the proposed tokens after the input, so count = 1 + len(drafts)
     lookahead: int = 0
     drafts: list[int] = dataclasses.field(default_factory=list)
-
-    def set_drafts(self, drafts: list[int]) -> None:
-        """Verify `drafts` too: the row covers positions start .. start + len(drafts)."""
-        drafts = drafts[: self.lookahead]
-        self.seq.num_computed += len(drafts) - len(self.drafts)
-        self.count += len(drafts) - len(self.drafts)
-        self.drafts = drafts
 
     @property
     def wants_prompt_logprobs(self) -> bool:

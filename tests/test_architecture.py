@@ -1,4 +1,5 @@
-"""Imports flow one way: kernels <- sharding <- models <- sampling <- runner <- engine <- llm <- serve / bench.
+"""Imports flow one way: kernels <- sharding <- models <- sampling <- sequence <- runner <- spec_decode
+<- engine <- llm <- serve / bench (loader: beside the runner, below llm).
 
 Read from the source (ast), so a new import against the flow fails here with the file named.
 """
@@ -10,15 +11,18 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "dcpjax"
 # each layer, and the dcpjax modules it must never import
-LATER = ["sharding", "models", "runner", "engine", "llm", "serve", "bench"]
+TOP = ["llm", "serve", "bench"]  # the offline API, and what builds on it
 LAYERS = {
-    "kernels": LATER,
-    "sharding": LATER[1:],
-    "models": LATER[2:],
-    "sampling": ["runner", "spec_decode", "scheduler", "output_processor", *LATER[3:]],  # part of the step
-    "runner": ["spec_decode", "scheduler", "output_processor", *LATER[3:]],  # the proposers build on the runner
-    "engine": LATER[4:],
-    "llm": LATER[5:],  # the offline API: the server and benchmarks build on it, never the reverse
+    "kernels": ["sharding", "models", "sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
+    "sharding": ["models", "sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
+    "models": ["sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
+    "sampling": ["sequence", "loader", "runner", "spec_decode", "engine", *TOP],  # part of the step
+    "sequence": ["loader", "runner", "spec_decode", "engine", *TOP],  # the request, read by runner and engine
+    "loader": ["runner", "spec_decode", "engine", *TOP],  # checkpoints -> sharded parameters
+    "runner": ["loader", "spec_decode", "engine", *TOP],  # the proposers build on the runner
+    "spec_decode": ["engine", *TOP],
+    "engine": TOP,
+    "llm": TOP[1:],  # the server and benchmarks build on it, never the reverse
 }
 
 

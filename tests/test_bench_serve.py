@@ -14,7 +14,7 @@ import pytest
 from dcpjax import cli
 from dcpjax.bench.__main__ import main, parse_args
 from dcpjax.bench.serving import prompts_for, warmup_count
-from dcpjax.serve.launch import HOST, free_port
+from dcpjax.serve.process.launch import HOST, free_port
 
 BLOCK = 32  # the cache block of a TP 8 / DCP 2 server (16 x DCP 2): a shared first block is a prefix hit
 

@@ -22,11 +22,11 @@ from dcpjax import LLM, cli, generate
 from dcpjax import __main__ as dcpjax_main
 from dcpjax.engine_args import EngineArgs
 from dcpjax.serve import __main__ as serve
-from dcpjax.serve import shutdown
 from dcpjax.serve.api import build_app
 from dcpjax.serve.async_engine import Update
-from dcpjax.serve.launch import server_env
 from dcpjax.serve.metrics import Metrics
+from dcpjax.serve.process import shutdown
+from dcpjax.serve.process.launch import server_env
 from dcpjax.serve.request_log import RequestLog
 
 MODEL = "tiny"
@@ -275,7 +275,7 @@ def test_python_m_dcpjax_imports_no_command_up_front():
 
 def test_a_server_that_refuses_its_flags_is_one_line_for_its_launcher(capsys):
     """bench compare / sweep start servers: one that refuses its flags is the user's error, not a traceback."""
-    from dcpjax.serve.launch import start_server
+    from dcpjax.serve.process.launch import start_server
 
     def main(argv):
         start_server(["--kv-cache-dtype", "int4"], timeout=120)

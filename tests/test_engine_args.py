@@ -10,9 +10,9 @@ from dcpjax import LLM, demo, generate
 from dcpjax.bench import __main__ as bench
 from dcpjax.bench.throughput import engine_args
 from dcpjax.config import COMM_BACKENDS
+from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES
 from dcpjax.engine_args import EngineArgs
 from dcpjax.kernels import ATTENTION_BACKENDS
-from dcpjax.llm import DTYPES, KV_CACHE_DTYPES
 from dcpjax.serve import __main__ as serve
 
 # every engine flag as the CLIs spelled them by hand before EngineArgs (tests and README use them)

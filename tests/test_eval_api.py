@@ -6,7 +6,7 @@ import openai
 import pytest
 
 import dcpjax
-from dcpjax.serve.launch import start_server
+from dcpjax.serve.process.launch import start_server
 
 MODEL = "tiny"
 

@@ -20,8 +20,8 @@ from safetensors.numpy import save_file
 
 import dcpjax
 from dcpjax.config import ParallelConfig
+from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import ModelConfig
-from dcpjax.weights import random_checkpoint
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 45))}]
@@ -212,7 +212,7 @@ def test_what_dcpjax_cannot_load_is_named(tmp_path):
 
 
 def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
-    from dcpjax import gguf_loader
+    from dcpjax.loader import gguf_loader
 
     monkeypatch.setitem(sys.modules, "gguf", None)
     gguf_loader._parse.cache_clear()
@@ -222,7 +222,7 @@ def test_missing_gguf_package_names_the_install(tmp_path, monkeypatch):
 
 
 def test_linear_rope_scaling_is_read_and_others_are_named(tmp_path):
-    from dcpjax.model_source import load_model_config
+    from dcpjax.loader.model_source import load_model_config
 
     def scaled(kind):
         return lambda w: (w.add_rope_scaling_type(kind), w.add_rope_scaling_factor(2.0))

@@ -5,12 +5,12 @@ import pytest
 
 import dcpjax
 from dcpjax import LLM, SamplingParams
+from dcpjax.engine.output_processor import OutputProcessor
+from dcpjax.loader.weights import DictSource, load_state, model_rules, random_checkpoint
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
-from dcpjax.output_processor import OutputProcessor
-from dcpjax.runner import build_model
+from dcpjax.models.registry import build_model
 from dcpjax.sequence import Sequence
 from dcpjax.tokenizer import ByteTokenizer
-from dcpjax.weights import DictSource, load_state, model_rules, random_checkpoint
 
 PROMPTS = ["Hello", "Decode context parallelism splits the KV cache by token. " * 5, "x"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
@@ -70,7 +70,7 @@ def test_compiled_step_shapes_stay_fixed_as_sequences_grow():
 
 
 def test_width_buckets_read_less_than_one_and_a_half_times_what_rows_hold():
-    from dcpjax.runner import width_bucket
+    from dcpjax.runner.step_input import width_bucket
 
     assert [width_bucket(n) for n in (1, 2, 3, 5, 8, 9, 12, 13, 17, 24, 25, 33, 49, 97)] == [
         1, 2, 4, 8, 8, 12, 12, 16, 24, 24, 32, 48, 64, 128]
@@ -172,7 +172,7 @@ def test_bad_requests_and_configurations():
 
 
 def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled(monkeypatch):
-    from dcpjax import kv_budget as llm_module
+    from dcpjax.runner import kv_budget as llm_module
 
     kw = dict(tp=2, kv_cache_memory_bytes=None, max_model_len=256)
     # plenty of memory: no more than 4 sequences of 256 tokens fill (16 blocks each)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dcpjax.serve.launch import start_server
+from dcpjax.serve.process.launch import start_server
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")  # lm-eval's tokenizer backend (no torch needed)
@@ -47,11 +47,13 @@ def _assert_same(got, want):
     assert got["dcpjax_gen"] == want["dcpjax_gen"]
 
 
+@pytest.mark.e2e
 def test_lm_eval_through_the_server_equals_its_transformers_backend(served):
     assert len(served["dcpjax_ll"]) == len(EXPECTED["dcpjax_ll"]) == 12
     _assert_same(served, EXPECTED)
 
 
+@pytest.mark.e2e
 def test_fixture_is_what_the_transformers_backend_gives_today(folders, served):
     pytest.importorskip("torch")
     pytest.importorskip("accelerate")

@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 
 import dcpjax
-from dcpjax.model_source import BUILTIN_GGUF, builtin_gguf_path
+from dcpjax.loader.model_source import BUILTIN_GGUF, builtin_gguf_path
 from dcpjax.models.config import TINY_MODELS
-from dcpjax.runner import kv_block_layout
+from dcpjax.runner.kv_layout import kv_block_layout
 from dcpjax.sampling import logits_processors as lp
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures" / "smollm2" / "processors.json"

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dcpjax.config import ParallelConfig
-from dcpjax.model_source import generation_defaults, model_source
+from dcpjax.loader.model_source import generation_defaults, model_source
 
 PC = ParallelConfig(1, 1)
 

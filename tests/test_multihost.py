@@ -8,7 +8,7 @@ import openai
 import pytest
 
 import dcpjax
-from dcpjax.serve.launch import free_port, start_server
+from dcpjax.serve.process.launch import free_port, start_server
 
 
 @pytest.fixture(scope="module")

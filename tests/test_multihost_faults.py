@@ -8,8 +8,8 @@ import time
 import httpx
 import pytest
 
-from dcpjax.serve.faults import DEFAULT_FAILURE_TIMEOUT, FAULT_ENV
-from dcpjax.serve.launch import free_port, start_server
+from dcpjax.serve.process.faults import DEFAULT_FAILURE_TIMEOUT, FAULT_ENV
+from dcpjax.serve.process.launch import free_port, start_server
 
 FAILURE_TIMEOUT = 15
 REQUEST = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -92,7 +92,7 @@ class _IdleEngine:
     ([{"op": "fail", "reason": "RuntimeError('x')"}], "process 0 failed: RuntimeError('x')"),
 ])
 def test_follower_stops_on_divergence_or_a_failure_of_process_0(monkeypatch, caplog, commands, reason):
-    from dcpjax.serve import faults, multihost
+    from dcpjax.serve.process import faults, multihost
 
     def exit_process(code, delay=0.0):
         raise SystemExit(code)

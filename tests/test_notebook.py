@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -51,6 +52,7 @@ def _sweep_rows(outputs: str) -> list[dict]:
     return list(csv.DictReader(io.StringIO(outputs[outputs.index("server,dcp,input_len,concurrency"):])))
 
 
+@pytest.mark.e2e
 def test_quickstart_runs_top_to_bottom(monkeypatch, tmp_path):
     monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets up its own devices
     notebook = nbformat.read(NOTEBOOK, as_version=4)

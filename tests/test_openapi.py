@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from dcpjax import LLM
 from dcpjax.serve.api import build_app
-from dcpjax.serve.launch import start_server
 from dcpjax.serve.metrics import Metrics
+from dcpjax.serve.process.launch import start_server
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -34,6 +34,7 @@ def server():
         yield running
 
 
+@pytest.mark.e2e
 def test_schemathesis_finds_no_contract_violation(server, tmp_path):
     command = [sys.executable, "-m", "schemathesis.cli", "run", f"{server.base_url}/openapi.json",
                "--checks", ",".join(CHECKS), "--max-examples", "25", "--seed", "20251", "--generation-deterministic",

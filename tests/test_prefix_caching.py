@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from dcpjax import LLM, SamplingParams
-from dcpjax.block_pool import BlockPool
+from dcpjax.engine.block_pool import BlockPool
 from dcpjax.testing import assert_same_generations
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
@@ -183,7 +183,7 @@ def test_reset_prefix_cache_and_disabled_cache():
 def test_prompt_logprobs_requests_compute_every_prompt_position(monkeypatch):
     """They skip the cache (every position's logits are needed) and take their own smaller
     per-step budget; the logprobs are the same however the prompt is cut into chunks."""
-    from dcpjax import scheduler
+    from dcpjax.engine import scheduler
 
     llm = LLM("tiny-llama", block_size=4, kv_cache_memory_bytes=1 << 20, max_model_len=256, max_num_batched_tokens=32)
     prompt = "prompt logprobs over a prompt cut into many chunks " * 2

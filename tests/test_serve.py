@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from dcpjax.serve.launch import start_server
+from dcpjax.serve.process.launch import start_server
 
 API_KEY = "test-key"
 MODEL = "tiny"

@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from dcpjax.serve.launch import start_server
+from dcpjax.serve.process.launch import start_server
 
 MAX_TOKENS = 400
 

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 import dcpjax
-from dcpjax.model_source import builtin_gguf_path, load_model_config
+from dcpjax.loader.model_source import builtin_gguf_path, load_model_config
 
 NAME = "smollm2-135m-instruct"
 HERE = pathlib.Path(__file__).parent
@@ -72,7 +72,7 @@ def test_config_from_gguf_metadata(gguf_path):
 
 
 def test_dequantized_tensors_match_transformers(gguf_path):
-    from dcpjax.gguf_loader import GGUFSource
+    from dcpjax.loader.gguf_loader import GGUFSource
 
     source = GGUFSource(gguf_path)
     expected = {t["name"]: t for t in EXPECTED["tensors"] if t["name"] != "lm_head.weight"}  # tied: the embedding
@@ -92,7 +92,7 @@ def test_dequantized_tensors_match_transformers(gguf_path):
 
 def test_tokenizer_and_chat_template_match_transformers(gguf_path):
     from dcpjax.chat_template import ChatTemplate
-    from dcpjax.gguf_loader import tokenizer as gguf_tokenizer
+    from dcpjax.loader.gguf_loader import tokenizer as gguf_tokenizer
 
     tokenizer = gguf_tokenizer(gguf_path)
     for case in EXPECTED["tokenizer"]:
@@ -112,6 +112,7 @@ def llm(request, gguf_path):
                       max_num_batched_tokens=512, kv_cache_memory_bytes=KV_BYTES)
 
 
+@pytest.mark.e2e
 def test_greedy_tokens_and_logprobs(llm):
     requests = greedy_requests()
     outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
@@ -122,6 +123,7 @@ def test_greedy_tokens_and_logprobs(llm):
     assert text.prompt_token_ids == EXPECTED["greedy"][0]["prompt"]
 
 
+@pytest.mark.e2e
 def test_prompt_logprobs(llm):
     out = llm.generate({"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"]},
                        dcpjax.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
@@ -129,6 +131,7 @@ def test_prompt_logprobs(llm):
                                                                               out.prompt_token_ids)])
 
 
+@pytest.mark.e2e
 def test_chat_reply(llm):
     chat = EXPECTED["chat"]
     out = llm.chat(chat["messages"], dcpjax.SamplingParams(temperature=0, max_tokens=32))[0]
@@ -152,6 +155,7 @@ def dcp_runs(gguf_path):
     return smollm2_layouts.run_layouts(smollm2_layouts.job(DCP_LAYOUTS, KV_BYTES))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("index", range(len(DCP_LAYOUTS)), ids=[
     "-".join(f"{k.split('_')[0]}{v}" for k, v in layout.items()) for layout in DCP_LAYOUTS])
 def test_every_dcp_layout_matches_transformers(dcp_runs, index):
@@ -166,14 +170,16 @@ def test_every_dcp_layout_matches_transformers(dcp_runs, index):
     assert "pineapple" in needle["answer_text"].lower()  # the fact planted ~1,500 tokens back was found
 
 
+@pytest.mark.e2e
 def test_dcp3_holds_three_times_the_tokens_of_dcp1(dcp_runs):
     dcp1, dcp3 = dcp_runs[0]["kv_cache_size_tokens"], dcp_runs[1]["kv_cache_size_tokens"]
     assert dcp3 == 3 * dcp1
 
 
 # -- the server, at TP 9 / DCP 3 ------------------------------------------------------------------
+@pytest.mark.e2e
 def test_chat_through_the_server(gguf_path):
-    from dcpjax.serve.launch import start_server
+    from dcpjax.serve.process.launch import start_server
 
     chat = EXPECTED["chat"]
     args = ["--model", NAME, "--num-cpu-devices", "9", "-tp", "9", "-dcp", "3", "--max-model-len", "512",

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from dcpjax import step_input
+from dcpjax.runner import step_input
 from dcpjax.sampling import SamplingParams
 
 

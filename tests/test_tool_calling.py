@@ -17,7 +17,7 @@ from dcpjax import LLM
 from dcpjax.serve.api import build_app
 from dcpjax.serve.async_engine import Update
 from dcpjax.serve.metrics import Metrics
-from dcpjax.serve.tool_calls import ToolConfig
+from dcpjax.serve.tools.calls import ToolConfig
 
 MODEL = "tiny"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dcpjax.serve.tool_json import JsonError, JsonObjectWriter
-from dcpjax.serve.tool_parsers import (
+from dcpjax.serve.tools.json_writer import JsonError, JsonObjectWriter
+from dcpjax.serve.tools.parsers import (
     CALL_BEGIN,
     CALL_END,
     CALLS_BEGIN,

@@ -14,7 +14,7 @@ import urllib.request
 
 from dcpjax.bench.client import make_prefix_repetition_prompts, make_prompts, run_benchmark
 from dcpjax.engine_args import EngineArgs
-from dcpjax.serve.launch import ServerProcess, start_server
+from dcpjax.serve.process.launch import ServerProcess, start_server
 
 
 def _start_hint(base_url: str) -> str:

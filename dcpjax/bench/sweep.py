@@ -104,9 +104,9 @@ def kv_capacity(engine_args: EngineArgs) -> dict[int, int]:
     import jax.numpy as jnp
 
     from dcpjax.config import ParallelConfig
-    from dcpjax.kv_budget import CPU_DEFAULT_KV_BYTES
-    from dcpjax.model_source import load_model_config
-    from dcpjax.runner import kv_cache_layout
+    from dcpjax.loader.model_source import load_model_config
+    from dcpjax.runner.kv_budget import CPU_DEFAULT_KV_BYTES
+    from dcpjax.runner.kv_layout import kv_cache_layout
 
     cfg = load_model_config(engine_args.model)
     tp, capacity = engine_args.tensor_parallel_size, {}
@@ -129,7 +129,7 @@ def main(args) -> int:
     if engine_args.kv_cache_memory_bytes is None and engine_args.num_cpu_devices:
         # CPU's default follows the host's free memory, which moves between the two servers:
         # fix the budget, so that both compare at the same KV bytes per device
-        from dcpjax.kv_budget import CPU_DEFAULT_KV_BYTES
+        from dcpjax.runner.kv_budget import CPU_DEFAULT_KV_BYTES
 
         engine_args = engine_args.with_kv_bytes(CPU_DEFAULT_KV_BYTES)
     stages, capacity = [], {}

@@ -93,7 +93,7 @@ def _file_prompts(path: str, num: int, length: int, vocab: int) -> list[list[int
 
 
 def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
-    from dcpjax.engine import StepTimings
+    from dcpjax.engine.core import StepTimings
 
     engine = llm.engine
     engine.async_scheduling = async_scheduling and engine.proposer is None  # speculation runs synchronously
@@ -138,7 +138,7 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 def check_transformers(model: str) -> None:
     """Fail before any timing if the transformers baseline cannot run (missing extras, a
     built-in random model transformers does not have)."""
-    from dcpjax.model_source import BUILTIN_GGUF, resolve
+    from dcpjax.loader.model_source import BUILTIN_GGUF, resolve
 
     try:
         kind, _ = resolve(model)
@@ -161,7 +161,7 @@ def _load_transformers(model: str):
     import torch
     import transformers
 
-    from dcpjax.model_source import resolve
+    from dcpjax.loader.model_source import resolve
 
     kind, path = resolve(model)
     path = pathlib.Path(path)

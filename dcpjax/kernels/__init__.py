@@ -5,13 +5,14 @@ Pure maths, no mesh: `dcpjax.sharding` imports this package, never the reverse.
 
 from dcpjax.kernels.common import ATTENTION_BACKENDS, AttentionOptions, check_attention_backend
 from dcpjax.kernels.dispatch import attention, decode_attention, resolve_backend
-from dcpjax.kernels.kv_cache import KVCache, gather_pages, quantize_fp8
+from dcpjax.kernels.kv_cache import KVCache, KVPools, gather_pages, quantize_fp8
 from dcpjax.kernels.pallas import attention_pallas
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "AttentionOptions",
     "KVCache",
+    "KVPools",
     "attention",
     "attention_pallas",
     "check_attention_backend",

@@ -53,6 +53,8 @@ def check_attention_backend(attention_backend: str) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionShapes:
+    """The sizes of one attention call, read once from its arguments by `check_attention_args`."""
+
     batch: int
     queries: int
     q_heads: int
@@ -95,6 +97,35 @@ def check_attention_args(q, kv: KVCache, bounds) -> AttentionShapes:
         got = None if tables is None else tables.shape
         raise ValueError(f"kv.block_tables must be [batch={batch}, pages], got {got}")
     return AttentionShapes(batch, queries, q_heads, kv_heads, dk, dv, kv.k.shape[2], tables.shape[1])
+
+
+# -- the (query, head) rows layout both kernels attend in -----------------------------
+# A KV head is shared by the G = q_heads // kv_heads query heads of its group, and a chunk
+# has T queries per sequence, so each KV head serves T * G (query, head) pairs. Laid out as
+# rows (row t * G + g: query t, q head h * G + g), they attend as one tile: a page is read
+# once per tile, not once per query, and each row keeps its own causal bound.
+
+
+def to_rows(x: jax.Array, shapes: AttentionShapes) -> jax.Array:
+    """[batch, T, q_heads, ...] -> [batch, kv_heads, T * G, ...]: each KV head's (query, head)
+    rows, row t * G + g being query t with q head h * G + g. Trailing dims (dk) ride along."""
+    b, t, hkv, g = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group
+    grouped = x.reshape(b, t, hkv, g, *x.shape[3:])
+    return jnp.moveaxis(grouped, 2, 1).reshape(b, hkv, t * g, *x.shape[3:])
+
+
+def from_rows(x: jax.Array, shapes: AttentionShapes) -> jax.Array:
+    """Inverse of `to_rows`: [batch, kv_heads, rows >= T * G, ...] -> [batch, T, q_heads, ...];
+    rows past T * G (a kernel's tile padding) are dropped. Trailing dims (dv) ride along."""
+    b, t, hkv, g = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group
+    grouped = x[:, :, : t * g].reshape(b, hkv, t, g, *x.shape[3:])
+    return jnp.moveaxis(grouped, 1, 2).reshape(b, t, shapes.q_heads, *x.shape[3:])
+
+
+def row_bounds(bounds: jax.Array, shapes: AttentionShapes) -> jax.Array:
+    """[batch, T] causal bounds -> [batch, T * G]: row t * G + g gets query t's bound (the same
+    for every KV head, so one array serves all of them)."""
+    return jnp.repeat(bounds, shapes.group, axis=1)
 
 
 def _check_scales(kv: KVCache) -> None:

@@ -1,12 +1,14 @@
-"""The one KV cache type: paged K/V pools (or MLA's latent), optional fp8 scales, block tables.
+"""The KV cache types: paged K/V pools (or MLA's latent) with optional fp8 scales, and the block
+tables that address them.
 
-Every attention path reads this type: the kernels (one device's pools), the
-per-device DCP steps inside `shard_map`, the models' layers, the engine's runner
-and the public op (`dcpjax.shard_kv_cache`, whose arrays are global and sharded
-by `dcpjax.sharding.mesh.kv_cache_spec`). Contiguous KV is a paged cache with an identity
+`KVCache` (pools + block tables) is what every attention path reads: the kernels (one device's
+pools), the per-device DCP steps inside `shard_map` and the public op (`dcpjax.shard_kv_cache`,
+whose arrays are global and sharded by `dcpjax.sharding.mesh.ShardingRules.kv_cache_spec`).
+`KVPools` is the engine's stored cache, one per layer: the pools alone, since a step's tables
+travel in its `StepBatch`; the layers join the two with `KVPools.with_block_tables`. Contiguous KV is a paged cache with an identity
 block table (`KVCache.from_sequences`), so no kernel has a contiguous branch.
 
-One writer, `KVCache.write`, stores new tokens at flat slots and quantises them
+One writer for both, `write`,, stores new tokens at flat slots and quantises them
 when the cache is fp8. Which slots (the DCP rank's interleaved ownership) is
 `dcpjax.sharding.local_ops.owned_slots`, computed once per step, not per layer.
 """
@@ -25,34 +27,21 @@ FP8_MAX = 448.0  # largest finite e4m3 value
 MAX_CONTIGUOUS_PAGE = 128
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "k_scale", "v_scale", "block_tables"],
-    meta_fields=["v_head_dim", "num_kv_heads", "capacity"],
-)
 @dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Paged KV, heads first: one KV head's page is a contiguous [block_size, d] tile.
+class _Pools:
+    """What both cache types hold and do: the paged pools, heads first (one KV head's page is a
+    contiguous [block_size, d] tile), and their one writer.
 
     k: [kv_heads, num_blocks, block_size, dk]
     v: [kv_heads, num_blocks, block_size, dv], or None for MLA's latent form (V = K[..., :v_head_dim])
     k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 (e4m3) cache, else None
       (MLA: v_scale None, V shares K's scales)
-    block_tables: [batch, pages] int32, the physical blocks of each sequence; None in the
-      engine's stored pools, whose tables arrive with each step (`with_block_tables`)
-    v_head_dim: dv (static)
-    num_kv_heads, capacity: the public op's bookkeeping (KV heads before repetition over
-      "tp" groups; tokens per sequence that fit), None elsewhere.
     """
 
     k: jax.Array
     v: jax.Array | None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
-    block_tables: jax.Array | None = None
-    v_head_dim: int = 0
-    num_kv_heads: int | None = None
-    capacity: int | None = None
 
     @property
     def block_size(self) -> int:
@@ -70,15 +59,12 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
-    def with_block_tables(self, block_tables: jax.Array | None) -> KVCache:
-        return dataclasses.replace(self, block_tables=block_tables)
-
-    def write(self, new_k: jax.Array, new_v: jax.Array | None, slots: jax.Array) -> KVCache:
+    def write(self, new_k: jax.Array, new_v: jax.Array | None, slots: jax.Array):
         """Store N new tokens: new_k [N, kv_heads, dk], new_v [N, kv_heads, dv] (None for MLA).
 
         slots: [N] flat slots (`block * block_size + offset`); negative slots (tokens this
         rank does not own, padding) are dropped. An fp8 cache quantises with one scale per
-        token and head.
+        token and head. Returns the same type with the new pools.
         """
         if (new_v is None) != self.use_mla:
             raise ValueError("pass new_v exactly when the cache has v (MLA caches carry only the latent k)")
@@ -92,6 +78,52 @@ class KVCache:
         """KV bytes (pools and scales) one device holds of these (sharded) arrays."""
         arrays = [x for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None]
         return sum(a.addressable_shards[0].data.nbytes for a in arrays)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k", "v", "k_scale", "v_scale"],
+    meta_fields=["v_head_dim"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVPools(_Pools):
+    """One layer's stored KV in the engine, the pools alone (shapes: `_Pools`; inside the step
+    each DCP rank sees its own blocks). A step's block tables arrive with its `StepBatch`, and
+    `with_block_tables` makes the kernels' `KVCache` view of the pools for that step.
+
+    v_head_dim: dv (static).
+    """
+
+    v_head_dim: int = 0
+
+    def with_block_tables(self, block_tables: jax.Array) -> KVCache:
+        """The pools as the kernels read them, with this step's tables [batch, pages] int32."""
+        return KVCache(self.k, self.v, self.k_scale, self.v_scale, block_tables, v_head_dim=self.v_head_dim)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["k", "v", "k_scale", "v_scale", "block_tables"],
+    meta_fields=["v_head_dim", "num_kv_heads", "capacity"],
+)
+@dataclasses.dataclass(frozen=True)
+class KVCache(_Pools):
+    """Paged KV with its block tables: what every attention kernel reads, and the public op's
+    global cache (pools and scales: `_Pools`).
+
+    block_tables: [batch, pages] int32, the physical blocks of each sequence
+    v_head_dim: dv (static)
+    num_kv_heads, capacity: the public op's bookkeeping (KV heads before repetition over
+      "tp" groups; tokens per sequence that fit), None elsewhere.
+    """
+
+    block_tables: jax.Array | None = None
+    v_head_dim: int = 0
+    num_kv_heads: int | None = None
+    capacity: int | None = None
+
+    def with_block_tables(self, block_tables: jax.Array | None) -> KVCache:
+        return dataclasses.replace(self, block_tables=block_tables)
 
     @classmethod
     def from_sequences(cls, k, v=None, *, v_head_dim: int | None = None, k_scale=None, v_scale=None,

@@ -1,8 +1,8 @@
 """Pallas attention over a paged `KVCache` with the common contract, for GPU and TPU.
 
 The wrapper lays the T queries x G heads of each KV head's group out as the rows
-of one tile (each row with its own causal bound), pads the rows to the target's
-tile, calls the kernel for the target, and undoes the layout:
+of one tile (`common.to_rows`, each row with its own causal bound), pads the rows
+to the target's tile, calls the kernel for the target, and undoes the layout:
   target "gpu": `pallas_gpu` (Triton lowering; split-K, splits merged by LSE);
   target "tpu": `pallas_tpu` (Mosaic lowering; pages pipelined HBM -> VMEM).
 A chunk of T queries therefore reads each page once per tile of rows, not T times.
@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dcpjax.kernels.common import AttentionOptions, AttentionShapes, check_attention_args
+from dcpjax.kernels.common import (
+    AttentionOptions,
+    AttentionShapes,
+    check_attention_args,
+    from_rows,
+    row_bounds,
+    to_rows,
+)
 from dcpjax.kernels.kv_cache import KVCache
 from dcpjax.kernels.pallas_gpu import paged_attention_gpu
 from dcpjax.kernels.pallas_tpu import SUBLANES, paged_attention_tpu, tpu_tiling_problem
@@ -25,22 +32,22 @@ MIN_GPU_ROWS = 16  # Triton's tensor-core dot needs M >= 16
 
 
 def default_target(platform: str | None = None) -> str:
+    """The kernel for a platform: "tpu" on TPU, else "gpu" (also what CPU interprets)."""
     return "tpu" if (platform or jax.default_backend()) == "tpu" else "gpu"
 
 
 def padded_rows(rows: int, target: str) -> int:
+    """The T * G rows rounded up to what the target's tile takes."""
     if target == "tpu":
         return -(-rows // SUBLANES) * SUBLANES
     return max(MIN_GPU_ROWS, pl.next_power_of_2(rows))
 
 
-def query_rows(q: jax.Array, bounds: jax.Array, shapes: AttentionShapes, rows: int):
-    """q [B, T, Hq, dk] -> qg [B, Hkv, rows, dk] (row t * G + g: query t, head g of the group);
-    bounds [B, T] -> [B, rows], each row its query's bound (padding rows see nothing)."""
-    b, t, hkv, g, dk = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group, shapes.dk
-    qg = jnp.transpose(q.reshape(b, t, hkv, g, dk), (0, 2, 1, 3, 4)).reshape(b, hkv, t * g, dk)
-    bounds = jnp.repeat(bounds.astype(jnp.int32), g, axis=1)
-    pad = rows - t * g
+def query_rows(q: jax.Array, bounds: jax.Array, shapes: AttentionShapes, rows: int) -> tuple[jax.Array, jax.Array]:
+    """q [B, T, Hq, dk] -> qg [B, Hkv, rows, dk] (`common.to_rows`, padded to `rows`);
+    bounds [B, T] -> [B, rows] int32, each row its query's bound (padding rows see nothing)."""
+    qg, bounds = to_rows(q, shapes), row_bounds(bounds.astype(jnp.int32), shapes)
+    pad = rows - shapes.queries * shapes.group
     return jnp.pad(qg, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(bounds, ((0, 0), (0, pad)))
 
 
@@ -54,8 +61,7 @@ def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionSh
         if problem:
             raise ValueError(f"the TPU Pallas kernel cannot tile these shapes: {problem}; "
                              "use attention_backend='reference' (or 'auto', which does)")
-    b, t, hkv, g = shapes.batch, shapes.queries, shapes.kv_heads, shapes.group
-    qg, bounds = query_rows(q, bounds, shapes, padded_rows(t * g, target))
+    qg, bounds = query_rows(q, bounds, shapes, padded_rows(shapes.queries * shapes.group, target))
     args = (qg, bounds, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
     if target == "tpu":
         out, lse = paged_attention_tpu(*args, sm_scale=sm_scale, dv=shapes.dv, interpret=interpret,
@@ -63,9 +69,7 @@ def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionSh
     else:
         out, lse = paged_attention_gpu(*args, sm_scale=sm_scale, dv=shapes.dv, num_splits=num_kv_splits,
                                        interpret=interpret, block_rows=block_rows)
-    out = jnp.transpose(out[:, :, : t * g].reshape(b, hkv, t, g, shapes.dv), (0, 2, 1, 3, 4))
-    lse = jnp.transpose(lse[:, :, : t * g].reshape(b, hkv, t, g), (0, 2, 1, 3))
-    return out.reshape(b, t, shapes.q_heads, shapes.dv).astype(q.dtype), lse.reshape(b, t, shapes.q_heads)
+    return from_rows(out, shapes).astype(q.dtype), from_rows(lse, shapes)
 
 
 def attention_pallas(

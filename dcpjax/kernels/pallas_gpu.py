@@ -58,10 +58,10 @@ def _gpu_kernel(
     tables_ref, bounds_ref, q_ref, k_ref, v_ref, *refs,
     sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
-    """q_ref [rows, dk]; bounds_ref [rows] causal bound per row; k_ref [Hkv, N, bs, dk];
-    v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8 cache): ks_ref, vs_ref
-    [Hkv, N, bs] per-token dequantisation scales; tables_ref [B, P]; out_ref [rows, dv] f32;
-    lse_ref [rows] f32."""
+    """One program's block of rows (r = block_rows): q_ref [r, dk]; bounds_ref [r] causal bound
+    per row; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8
+    cache): ks_ref, vs_ref [Hkv, N, bs] per-token dequantisation scales; tables_ref [B, P];
+    out_ref [r, dv] f32 and lse_ref [r] f32, this split's unmerged partial."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, split = pl.program_id(0), pl.program_id(2)
     head = pl.program_id(1) // row_blocks  # axis 1 walks (KV head, block of query rows)
@@ -116,7 +116,7 @@ def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
     """Split-K attention of query rows over pages.
 
     Args:
-      qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
+      qg: [batch, kv_heads, rows, dk] each KV head's (query, head) rows (`common.to_rows`), padded to a power of two.
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
       k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache (else None).

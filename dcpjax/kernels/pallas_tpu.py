@@ -53,10 +53,11 @@ def tpu_block_rows(rows: int, dk: int, dv: int, max_elements: int = 131072) -> i
 
 def _tpu_kernel(tables_ref, tile_bound_ref, q_ref, bounds_ref, k_ref, *refs, sm_scale, block_size, dv, v_from_k,
                 scaled):
-    """q_ref [rows, dk]; bounds_ref [rows, 1] causal bound per row; k_ref [bs, dk]; then
-    v_ref [bs, dv] unless v_from_k (MLA: V is K's first dv lanes, so K is fetched once); then,
-    for an fp8 cache, ks_ref and vs_ref [bs, 1]; out_ref [rows, dv]; lse_ref [rows, LANES];
-    scratch max_scr, sum_scr [rows, LANES] (all lanes equal) and acc_scr [rows, dv]."""
+    """One grid step's block of rows (r = block_rows) and page: q_ref [r, dk]; bounds_ref [r, 1]
+    causal bound per row; k_ref [bs, dk]; then v_ref [bs, dv] unless v_from_k (MLA: V is K's
+    first dv lanes, so K is fetched once); then, for an fp8 cache, ks_ref and vs_ref [bs, 1];
+    out_ref [r, dv]; lse_ref [r, LANES]; scratch max_scr, sum_scr [r, LANES] (all lanes equal)
+    and acc_scr [r, dv]. Scalar-prefetched (SMEM): tables_ref [B, P], tile_bound_ref [B, row_blocks]."""
     refs = list(refs)
     v_ref = None if v_from_k else refs.pop(0)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -134,7 +135,7 @@ def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
     """Attention of query rows over pages on TPU (no KV splits: one core walks a sequence).
 
     Args:
-      qg: [batch, kv_heads, rows, dk] the (query, head) rows of each KV head's group (padded).
+      qg: [batch, kv_heads, rows, dk] each KV head's (query, head) rows (`common.to_rows`), padded to a multiple of 8.
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
       k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       block_tables: [batch, pages] int32.

@@ -2,7 +2,7 @@
 
 Contract in `dcpjax.kernels.common` (callers validate; this module does not).
 Scores and sums in float32. The pages of a sequence are gathered once for all
-its T queries.
+its T queries, which attend as (query, head) rows (`common.to_rows`) like the kernels' tiles.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcpjax.kernels.common import AttentionShapes, finish_softmax
+from dcpjax.kernels.common import AttentionShapes, finish_softmax, from_rows, row_bounds, to_rows
 from dcpjax.kernels.kv_cache import KVCache, gather_pages
 
 
@@ -25,13 +25,11 @@ def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: At
         if v is not None:
             v = v.astype(jnp.float32) * gather(kv.v_scale)[..., None]
     values = k[..., : shapes.dv] if v is None else v  # [Hkv, B, S, dv]
-    batch, queries, seq = q.shape[0], q.shape[1], k.shape[2]
-    rows = queries * shapes.group  # each KV head's (query, head) rows, t-major
-    qg = jnp.transpose(q.reshape(batch, queries, shapes.kv_heads, shapes.group, shapes.dk), (2, 0, 1, 3, 4))
-    qg = qg.reshape(shapes.kv_heads, batch, rows, shapes.dk)
+    seq = k.shape[2]
+    # heads lead, like the gathered pages: the small q and outputs move, never the KV
+    qg = jnp.swapaxes(to_rows(q, shapes), 0, 1)  # [Hkv, B, rows, dk], rows = T * G
     scores = jnp.einsum("hbrd,hbsd->hbrs", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    row_bounds = jnp.repeat(bounds, shapes.group, axis=1)  # [B, rows]
-    valid = jnp.arange(seq)[None, None, :] < row_bounds[:, :, None]  # [B, rows, S]
+    valid = jnp.arange(seq)[None, None, :] < row_bounds(bounds, shapes)[:, :, None]  # [B, rows, S]
     scores = jnp.where(valid[None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1)
     safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -39,6 +37,4 @@ def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: At
     row_sum = jnp.sum(probs, axis=-1)
     acc = jnp.einsum("hbrs,hbsd->hbrd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     out, lse = finish_softmax(acc, safe_max, row_sum, q.dtype)  # [Hkv, B, rows, dv], [Hkv, B, rows]
-    out = jnp.transpose(out.reshape(shapes.kv_heads, batch, queries, shapes.group, shapes.dv), (1, 2, 0, 3, 4))
-    lse = jnp.transpose(lse.reshape(shapes.kv_heads, batch, queries, shapes.group), (1, 2, 0, 3))
-    return out.reshape(batch, queries, shapes.q_heads, shapes.dv), lse.reshape(batch, queries, shapes.q_heads)
+    return from_rows(jnp.swapaxes(out, 0, 1), shapes), from_rows(jnp.swapaxes(lse, 0, 1), shapes)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels import AttentionOptions, KVCache
+from dcpjax.kernels import AttentionOptions, KVPools
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import LMHead, RMSNorm, VocabEmbedding, gather_vocab
 from dcpjax.sharding.local_ops import owned_slots
@@ -74,7 +74,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
+    def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
         attended, kv = self.attention(self.input_norm(x), batch, kv, ctx)
         x = x + attended
         return x + self.mlp(self.post_attention_norm(x)), kv
@@ -91,14 +91,15 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype, pc)
         self.vocab_size = cfg.vocab_size
 
-    def __call__(self, batch: StepBatch, kv_caches: tuple[KVCache, ...], ctx: StepContext,
+    def __call__(self, batch: StepBatch, kv_caches: tuple[KVPools, ...], ctx: StepContext,
                  all_positions: bool = False):
         """One chunk of T tokens per sequence.
 
         Args:
           batch: the step's rows (`StepBatch`).
-          kv_caches: per layer, this rank's `KVCache` (pools [kv_local, num_blocks, bs, d], heads first, or
-            MLA's latent; fp8 scales or None; no block tables: they come with the batch).
+          kv_caches: per layer, this rank's `KVPools`: pools [kv_heads_local, num_blocks, block_size, d],
+            heads first (MLA: one latent pool, kv_heads_local 1, v None); fp8 scales
+            [kv_heads_local, num_blocks, block_size] or None; the step's block tables come with the batch.
           all_positions: logits at every position (prompt logprobs), not only at last_index.
         Returns:
           logits [B, vocab] (or [B, T, vocab] with all_positions) float32 (replicated) and the

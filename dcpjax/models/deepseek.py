@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels import KVCache
+from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
@@ -65,8 +65,11 @@ class MLAttention(nnx.Module):
             x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
         return apply_rope(x, positions, self.inv_freq, self.rope_factor)
 
-    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
-        """x [B, T, hidden]; kv: this rank's latent pool [1, blocks, bs, lora + rope] (v None)."""
+    def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
+        """x [B, T, hidden]; kv: this rank's latent pool [1, blocks, block_size, lora + rope] (v None).
+
+        Returns the attention output [B, T, hidden] (replicated) and the updated kv.
+        """
         positions = batch.positions
         if self.q_lora:
             q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])

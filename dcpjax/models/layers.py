@@ -1,7 +1,7 @@
 """Sharded building blocks (Flax NNX): parameters carry their logical axes.
 
 Parameters are declared with their *global* shapes and logical axis names; the
-runner shards them by `LOGICAL_AXIS_RULES` and calls the modules inside
+runner shards them by `ShardingRules` (`RULES`) and calls the modules inside
 `shard_map`, where every array is this device's shard. Row-parallel products
 (O projection, MLP down, embedding lookup) end in a psum over all TP devices.
 """
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.sharding.mesh import MODEL_AXES, gather_model, mesh_ways, reduce_model
+from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 
 # Axes where zeros past the true size change nothing, so a size the mesh cannot split evenly
 # is rounded up instead of refused:
@@ -26,7 +26,7 @@ def padded_size(size: int, logical_axis: str | None, pc: ParallelConfig) -> int:
     """`size` rounded up to a multiple of the shards of `logical_axis` (if it is paddable)."""
     if logical_axis not in PADDABLE_AXES:
         return size
-    ways = mesh_ways(logical_axis, pc)
+    ways = RULES.ways(logical_axis, pc)
     return -(-size // ways) * ways
 
 
@@ -48,7 +48,7 @@ def unsplittable_dims(state: nnx.State, pc: ParallelConfig) -> list[str]:
     problems = []
     for path, var in nnx.to_flat_state(state):
         for i, (n, axis) in enumerate(zip(var.get_value().shape, var.logical_axes)):
-            ways = mesh_ways(axis, pc)
+            ways = RULES.ways(axis, pc)
             if n % ways:
                 name = ".".join(str(getattr(p, "key", p)) for p in path)
                 fits = [w for w in range(1, min(n, 64) + 1) if n % w == 0]
@@ -99,7 +99,7 @@ class VocabEmbedding(nnx.Module):
         return reduce_model(jnp.where(inside[..., None], found, 0))
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
+        """Tied LM head: x [..., hidden] -> this device's logits [..., padded vocab / TP] (float32)."""
         return jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
 
 
@@ -108,12 +108,12 @@ class LMHead(nnx.Module):
         self.weight = param((hidden, vocab), ("embed", "vocab"), dtype, pc=pc)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., hidden] -> this device's logits [..., vocab / TP] (float32)."""
+        """x [..., hidden] -> this device's logits [..., padded vocab / TP] (float32)."""
         return jnp.einsum("...e,ev->...v", x, self.weight[...], preferred_element_type=jnp.float32)
 
 
 def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
-    """[..., vocab / TP] shards -> full [..., vocab] logits; padded rows dropped."""
+    """[..., padded vocab / TP] shards -> full [..., vocab_size] logits; the padding dropped."""
     full = gather_model(local_logits, axis=local_logits.ndim - 1)
     return full[..., :vocab_size]
 
@@ -121,8 +121,9 @@ def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
 def routed_experts(x, experts, weights, w_gate, w_up, w_down):
     """Each token through its chosen experts, weighted (grouped matmuls, no dense E x work).
 
-    x [N, hidden]; experts, weights [N, k]; w_gate, w_up [E, hidden, I]; w_down [E, I, hidden].
-    Returns [N, hidden] (this device's partial sum when I is sharded).
+    x [N, hidden]; experts, weights [N, k]; w_gate, w_up [E, hidden, I]; w_down [E, I, hidden],
+    I being this device's share of each expert's FFW. Returns [N, hidden] (this device's
+    partial sum when I is sharded).
     """
     top_k = experts.shape[1]
     flat = experts.reshape(-1)

@@ -1,7 +1,7 @@
 """Llama-family decoders under DCP: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE (Flax NNX).
 
 GQA with RoPE, RMSNorm, SwiGLU; Qwen2's q/k/v bias, Qwen3's per-head q/k
-RMSNorm, Qwen3-MoE's routed experts; tied embeddings. Runs inside `shard_map` (see `dcpjax.runner`): query
+RMSNorm, Qwen3-MoE's routed experts; tied embeddings. Runs inside `shard_map` (see `dcpjax.runner.model_runner`): query
 heads, FFW and vocab split over all TP devices, KV heads over "tp", KV tokens
 over "dcp". One forward handles a chunk of T tokens per sequence (prefill
 chunks and decode alike): each token's K/V is written on the DCP rank that
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels import KVCache
+from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
@@ -44,8 +44,8 @@ class LlamaAttention(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: plain floats, not a Variable
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
 
-    def __call__(self, x, batch: StepBatch, kv: KVCache, ctx: StepContext):
-        """x [B, T, hidden]; kv: this rank's K/V pools [kv_local, blocks, bs, d] (heads first).
+    def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
+        """x [B, T, hidden]; kv: this rank's K/V pools [kv_heads_local, blocks, block_size, head_dim].
 
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """

@@ -15,8 +15,8 @@ import sys
 
 from dcpjax import cli
 from dcpjax.engine_args import EngineArgs
-from dcpjax.serve.faults import DEFAULT_FAILURE_TIMEOUT
-from dcpjax.serve.tool_parsers import PARSERS
+from dcpjax.serve.process.faults import DEFAULT_FAILURE_TIMEOUT
+from dcpjax.serve.tools.parsers import PARSERS
 
 logger = logging.getLogger("dcpjax.serve")  # not __name__: that is "__main__" under python -m
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -90,8 +90,8 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     from dcpjax.serve.api import build_app
     from dcpjax.serve.async_engine import AsyncEngine
     from dcpjax.serve.metrics import Metrics
-    from dcpjax.serve.shutdown import Draining, GracefulServer, add_availability_guard
-    from dcpjax.serve.tool_calls import ToolConfig
+    from dcpjax.serve.process.shutdown import Draining, GracefulServer, add_availability_guard
+    from dcpjax.serve.tools.calls import ToolConfig
 
     name = args.served_model_name or args.model
     metrics = Metrics(name)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = EngineArgs.from_cli_args(args).create_llm()
     channel = None
     if args.num_processes > 1:
-        from dcpjax.serve.multihost import CommandChannel, follow
+        from dcpjax.serve.process.multihost import CommandChannel, follow
 
         channel = CommandChannel()
         if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0

@@ -3,13 +3,13 @@
 
 Every bad request gets an OpenAI-style body {"error": {"message", "type", "param", "code"}}
 with a 4xx status (`errors`); one request's error never touches the others: the engine
-thread only ever sees requests that passed admission (`admission`). /openapi.json
-documents every status each route can send (`openapi`).
+thread only ever sees requests that passed admission (`routes.admission`). /openapi.json
+documents every status each route can send (`routes.openapi`).
 
 `build_app` assembles the app from small builders: the error handling, the info routes,
-and one module per endpoint family (`completions`, `chat_completions`, `tokenize_routes`).
-What the route handlers share (the model, the engine, request validation) is one
-`context.ServerContext`.
+and one module per endpoint family (`routes.completions`, `routes.chat_completions`,
+`routes.tokenization`). What the route handlers share (the model, the engine, request
+validation) is one `context.ServerContext`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import dcpjax
 from dcpjax.chat_template import ChatTemplate
-from dcpjax.serve.chat_completions import add_chat_route
-from dcpjax.serve.completions import add_completions_route
 from dcpjax.serve.context import ServerContext
 from dcpjax.serve.errors import APIError, add_error_handling, error_response
-from dcpjax.serve.openapi import install_openapi, route_responses
 from dcpjax.serve.protocol import ModelList
 from dcpjax.serve.request_log import RequestLog
-from dcpjax.serve.tokenize_routes import add_tokenize_routes
-from dcpjax.serve.tool_calls import ToolConfig
+from dcpjax.serve.routes.chat_completions import add_chat_route
+from dcpjax.serve.routes.completions import add_completions_route
+from dcpjax.serve.routes.openapi import install_openapi, route_responses
+from dcpjax.serve.routes.tokenization import add_tokenize_routes
+from dcpjax.serve.tools.calls import ToolConfig
 
 __all__ = ["APIError", "build_app", "error_response"]
 

@@ -16,9 +16,9 @@ import queue
 import threading
 import time
 
-from dcpjax.engine import Engine, Sequence
-from dcpjax.serve import faults
+from dcpjax.engine.core import Engine, Sequence
 from dcpjax.serve.metrics import Metrics
+from dcpjax.serve.process import faults
 
 logger = logging.getLogger(__name__)
 FAILED = object()  # put on a request's queue when the engine has failed: the handler answers 503
@@ -56,7 +56,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    """channel: a `multihost.CommandChannel` when several processes share the model (this
+    """channel: a `process.multihost.CommandChannel` when several processes share the model (this
     one being process 0); every command then goes to all processes before each step, with a
     heartbeat carrying the step counter. failure_timeout: seconds without progress after
     which the engine counts as failed (a follower died or hung; multi-process only)."""
@@ -151,7 +151,7 @@ class AsyncEngine:
             if kind == "add":
                 self.streams[arg.seq.request_id] = arg
         if self.channel is not None:  # the other processes apply the same commands, in order
-            from dcpjax.serve.multihost import encode_add
+            from dcpjax.serve.process.multihost import encode_add
 
             beat = {"op": "beat", "step": self.steps}  # a follower checks it has taken as many steps
             self.channel.exchange([beat, *(encode_add(arg.seq) if kind == "add" else {"op": "abort", "request_id": arg}

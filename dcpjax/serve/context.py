@@ -2,7 +2,7 @@
 plumbing of several choices (`n`) per request.
 
 A request with n > 1 (or best_of) becomes that many engine sequences, built by the LLM's
-`dcpjax.requests.RequestBuilder` as offline requests are (with a seed, choice i uses
+`dcpjax.engine.requests.RequestBuilder` as offline requests are (with a seed, choice i uses
 seed + i, as vLLM does); the prefix cache lets the later ones reuse the first one's
 prompt KV in whole blocks.
 """
@@ -21,14 +21,15 @@ from fastapi.responses import StreamingResponse
 
 from dcpjax.chat_template import ChatTemplate
 from dcpjax.sampling import SamplingParams
-from dcpjax.serve import admission
 from dcpjax.serve.errors import APIError
-from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS
-from dcpjax.serve.tool_calls import ToolConfig
+from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
+from dcpjax.serve.routes import admission
+from dcpjax.serve.tools.calls import ToolConfig
 
 if TYPE_CHECKING:  # for the types only: the routes receive these objects, they do not build them
     from dcpjax.llm import LLM
-    from dcpjax.serve.async_engine import AsyncEngine
+    from dcpjax.sequence import Sequence
+    from dcpjax.serve.async_engine import AsyncEngine, Update
     from dcpjax.serve.metrics import Metrics
 
 
@@ -49,8 +50,8 @@ class ServerContext:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
                            "invalid_request_error", "model_not_found", param="model")
 
-    def sampling(self, body, max_tokens, logprobs, max_tokens_param: str = "max_tokens",
-                 prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling(self, body: CompletionRequest | ChatRequest, max_tokens: int | None, logprobs: int | None,
+                 max_tokens_param: str = "max_tokens", prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams: its fields, else the model's generation_config defaults,
         else vLLM's; a 400 naming the field for a value or a field the server cannot honour."""
         check_extra_fields(body)
@@ -81,7 +82,8 @@ class ServerContext:
         except ValueError as err:
             raise APIError(400, str(err), param=_field_of(str(err))) from err
 
-    def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt") -> list:
+    def sequences(self, ids: list[int], text: str | None, params: SamplingParams,
+                  param: str = "prompt") -> list[Sequence]:
         """The engine sequences of a prompt's n (or best_of) choices, once it passed admission (else
         a 400 naming the fix)."""
         llm = self.llm
@@ -107,7 +109,7 @@ class ServerContext:
         tokenizer = self.llm.tokenizer
         return tokenizer.token_text(token) if tokenizer is not None else str(token)
 
-    async def stream_all(self, seqs: list) -> AsyncIterator[tuple[int, object]]:
+    async def stream_all(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Update]]:
         """(choice index, Update) of every sequence as they come; aborts them all if the consumer goes away."""
         updates: asyncio.Queue = asyncio.Queue()
 
@@ -134,14 +136,14 @@ class ServerContext:
             for task in tasks:  # cancelling a pump aborts its sequence (AsyncEngine.generate)
                 task.cancel()
 
-    async def collect_all(self, seqs: list) -> list:
+    async def collect_all(self, seqs: list[Sequence]) -> list[Sequence]:
         """Run the sequences to the end; returns them finished."""
         async for _ in self.stream_all(seqs):
             pass
         return seqs
 
 
-def usage(seqs: list) -> dict:
+def usage(seqs: list[Sequence]) -> dict:
     """OpenAI's usage of one request: each prompt once, the completion tokens of every choice drawn
     (best_of counts every draw, as OpenAI bills it)."""
     prompts: dict[str, list] = {}  # the choices of each prompt (a completions request may hold several)
@@ -155,12 +157,12 @@ def usage(seqs: list) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def prompt_key(seq) -> str:
+def prompt_key(seq: Sequence) -> str:
     """The request id shared by a prompt's choices (`id-i` each when it draws several)."""
     return seq.request_id.rsplit("-", 1)[0] if seq.params.num_draws > 1 else seq.request_id
 
 
-def check_extra_fields(body) -> None:
+def check_extra_fields(body: CompletionRequest | ChatRequest) -> None:
     """A 400 for a request field this server does not know, or an OpenAI field it accepts only with
     the values it honours by doing nothing (`protocol.ACCEPTED_EXTRA_FIELDS`)."""
     for name, value in (body.model_extra or {}).items():
@@ -191,7 +193,8 @@ def _field_of(message: str) -> str | None:
     return None
 
 
-def sse(chunks, body, seqs: list, head: dict, usage_of=usage) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict], body: CompletionRequest | ChatRequest, seqs: list[Sequence], head: dict,
+        usage_of=usage) -> StreamingResponse:
     """The chunks as server-sent events; with `stream_options.include_usage`, a last chunk
     holding the usage and no choices (OpenAI's form), then `[DONE]`."""
     async def events():

@@ -3,7 +3,7 @@
 Request fields carry the bounds the server enforces (a value outside them is a 400
 naming the field), so the OpenAPI document generated from these models is the contract.
 Bounds that depend on the loaded model (max_model_len, the vocabulary) are checked by
-the API layer and added to the document by `dcpjax.serve.responses.openapi_schema`.
+the API layer and added to the document by `dcpjax.serve.routes.openapi.install_openapi`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 DCP is the minor factor of a TP rank (`tp_rank = g * DCP + d`), so the DCP
 ranks of one KV-head group are contiguous TP ranks, as in vLLM. Every
-PartitionSpec in dcpjax is built from `LOGICAL_AXIS_RULES`: a new layout is a
-change of one line here, not a hunt through every layer.
+PartitionSpec in dcpjax is built from `ShardingRules` (`RULES`): a new layout is
+a change of one line here, not a hunt through every layer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -16,39 +17,113 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from dcpjax.config import ParallelConfig, TooFewDevicesError
-from dcpjax.kernels.kv_cache import KVCache
+from dcpjax.kernels.kv_cache import KVCache, KVPools
 
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"
 MESH_AXES = (TP_AXIS, DCP_AXIS)
 MODEL_AXES = (TP_AXIS, DCP_AXIS)  # all TP devices of a replica: reductions of row-parallel layers
 
-# Logical axis -> mesh axes. Why each line:
-#   q_heads: every TP device owns q_heads / TP heads, exactly as without DCP, so
-#     Q projections and the O projection share work over all TP devices.
-#   kv_heads: DCP re-uses TP ranks, so only the TP // DCP groups split KV heads.
-#   kv_tokens: the interleaved token positions of the KV cache, over DCP ranks.
-#   ffw / moe_ffw / vocab: linear layers split over all TP devices together; a routed
-#     expert is split like a dense MLP (tensor-parallel experts, exact for any routing).
-LOGICAL_AXIS_RULES: dict[str, tuple[str, ...] | None] = {
-    "batch": None,
-    "embed": None,  # the hidden size: replicated, activations are small at decode
-    "head_dim": None,
-    "q_heads": (TP_AXIS, DCP_AXIS),
-    "kv_heads": (TP_AXIS,),
-    "kv_tokens": (DCP_AXIS,),
-    "kv_pages": (DCP_AXIS,),
-    "ffw": (TP_AXIS, DCP_AXIS),
-    "moe_ffw": (TP_AXIS, DCP_AXIS),  # each routed expert's FFW, split like a dense MLP
-    "experts": None,  # every device holds a slice of every expert (no expert parallelism yet)
-    "vocab": (TP_AXIS, DCP_AXIS),
-}
+MeshAxes = tuple[str, ...] | None  # the mesh axes that split a dimension; None: replicated
 
 
-def mesh_ways(logical_axis: str | None, pc: ParallelConfig) -> int:
-    """How many shards `LOGICAL_AXIS_RULES` cuts a dimension with this logical name into."""
-    sizes = {TP_AXIS: pc.kv_head_groups, DCP_AXIS: pc.dcp}
-    return math.prod(sizes[a] for a in LOGICAL_AXIS_RULES.get(logical_axis) or ()) if logical_axis else 1
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """The one table from logical axes (the names parameters and caches give their dimensions)
+    to mesh axes. Every PartitionSpec in dcpjax comes from here, so a new layout is a change of
+    one field, not a hunt through every layer. Frozen and hashable: a jit static argument.
+
+    Why each field:
+      batch, embed, head_dim: replicated; activations are small at decode.
+      q_heads: every TP device owns q_heads / TP heads, exactly as without DCP, so Q
+        projections and the O projection share work over all TP devices.
+      kv_heads: DCP re-uses TP ranks, so only the TP // DCP groups split KV heads.
+      kv_tokens: the interleaved token positions of the KV cache, over DCP ranks.
+      kv_pages: the paged pools' block axis: each DCP rank has its own pool of blocks.
+      ffw / moe_ffw / vocab: linear layers split over all TP devices together; a routed
+        expert is split like a dense MLP (tensor-parallel experts, exact for any routing).
+      experts: every device holds a slice of every expert (no expert parallelism yet).
+    """
+
+    batch: MeshAxes = None
+    embed: MeshAxes = None
+    head_dim: MeshAxes = None
+    q_heads: MeshAxes = (TP_AXIS, DCP_AXIS)
+    kv_heads: MeshAxes = (TP_AXIS,)
+    kv_tokens: MeshAxes = (DCP_AXIS,)
+    kv_pages: MeshAxes = (DCP_AXIS,)
+    ffw: MeshAxes = (TP_AXIS, DCP_AXIS)
+    moe_ffw: MeshAxes = (TP_AXIS, DCP_AXIS)
+    experts: MeshAxes = None
+    vocab: MeshAxes = (TP_AXIS, DCP_AXIS)
+
+    def as_dict(self) -> dict[str, MeshAxes]:
+        """The table as {logical axis: mesh axes}."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def mesh_axes(self, logical_axis: str) -> MeshAxes:
+        """The mesh axes of one logical axis; KeyError (naming the known ones) if there is none."""
+        table = self.as_dict()
+        if logical_axis not in table:
+            raise KeyError(f"unknown logical axis {logical_axis!r}; known: {sorted(table)}")
+        return table[logical_axis]
+
+    def spec(self, *logical_axes: str | None) -> PartitionSpec:
+        """PartitionSpec for an array whose dimensions carry these logical names.
+
+        `None` (or a name mapped to None) leaves a dimension replicated, e.g.
+        `spec("batch", "q_heads", None)` -> `P(None, ("tp", "dcp"), None)`.
+        """
+        axes = []
+        for name in logical_axes:
+            mesh_axes = None if name is None else self.mesh_axes(name)
+            # one mesh axis is written bare, as shard_map writes it back (equal specs, one compile)
+            axes.append(mesh_axes[0] if mesh_axes is not None and len(mesh_axes) == 1 else mesh_axes)
+        return PartitionSpec(*axes)
+
+    def ways(self, logical_axis: str | None, pc: ParallelConfig) -> int:
+        """How many shards this table cuts a dimension with this logical name into under `pc`."""
+        sizes = {TP_AXIS: pc.kv_head_groups, DCP_AXIS: pc.dcp}
+        return math.prod(sizes[a] for a in self.mesh_axes(logical_axis) or ()) if logical_axis else 1
+
+    @property
+    def kv_pool_spec(self) -> PartitionSpec:
+        """A global K/V pool [kv_slots, DCP * num_blocks, block_size, d]."""
+        return self.spec("kv_heads", "kv_pages", None, None)
+
+    @property
+    def kv_scale_spec(self) -> PartitionSpec:
+        """A global fp8 scale pool [kv_slots, DCP * num_blocks, block_size]."""
+        return self.spec("kv_heads", "kv_pages", None)
+
+    def kv_cache_spec(self, cache: KVCache) -> KVCache:
+        """The PartitionSpecs of a global `KVCache` (same pytree structure, specs as leaves).
+
+        KV heads are split over "tp"; each DCP rank has its own pool of blocks (the block axis
+        is split over "dcp"); block tables are replicated (one table serves every rank).
+        """
+        some = lambda x, spec: None if x is None else spec
+        pool, scale = self.kv_pool_spec, self.kv_scale_spec
+        return KVCache(
+            k=pool, v=some(cache.v, pool), k_scale=some(cache.k_scale, scale),
+            v_scale=some(cache.v_scale, scale), block_tables=some(cache.block_tables, PartitionSpec()),
+            v_head_dim=cache.v_head_dim, num_kv_heads=cache.num_kv_heads, capacity=cache.capacity,
+        )
+
+    def kv_pools_spec(self, pools: KVPools) -> KVPools:
+        """The PartitionSpecs of the engine's `KVPools` (as `kv_cache_spec`, without tables)."""
+        scale = self.kv_scale_spec
+        return KVPools(self.kv_pool_spec, None if pools.v is None else self.kv_pool_spec,
+                       None if pools.k_scale is None else scale, None if pools.v_scale is None else scale,
+                       v_head_dim=pools.v_head_dim)
+
+
+RULES = ShardingRules()  # the layout dcpjax runs with
+
+
+def logical_spec(*logical_axes: str | None) -> PartitionSpec:
+    """`RULES.spec`: the PartitionSpec of dimensions with these logical names."""
+    return RULES.spec(*logical_axes)
 
 
 def reduce_model(x: jax.Array) -> jax.Array:
@@ -60,25 +135,6 @@ def reduce_model(x: jax.Array) -> jax.Array:
 def gather_model(x: jax.Array, axis: int) -> jax.Array:
     """all_gather (tiled) of x's `axis` over all TP devices; x itself at TP 1."""
     return x if jax.lax.axis_size(MODEL_AXES) == 1 else jax.lax.all_gather(x, MODEL_AXES, axis=axis, tiled=True)
-
-
-def logical_spec(*logical_axes: str | None) -> PartitionSpec:
-    """PartitionSpec for an array whose dimensions carry these logical names.
-
-    `None` (or a name mapped to None) leaves a dimension replicated, e.g.
-    `logical_spec("batch", "q_heads", None)` -> `P(None, ("tp", "dcp"), None)`.
-    """
-    axes = []
-    for name in logical_axes:
-        if name is None:
-            axes.append(None)
-            continue
-        if name not in LOGICAL_AXIS_RULES:
-            raise KeyError(f"unknown logical axis {name!r}; known: {sorted(LOGICAL_AXIS_RULES)}")
-        mesh_axes = LOGICAL_AXIS_RULES[name]
-        # one mesh axis is written bare, as shard_map writes it back (equal specs, one compile)
-        axes.append(mesh_axes[0] if mesh_axes is not None and len(mesh_axes) == 1 else mesh_axes)
-    return PartitionSpec(*axes)
 
 
 def make_mesh(pc: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -127,21 +183,3 @@ def kv_head_slots(num_kv_heads: int, pc: ParallelConfig) -> int:
             f"need num_kv_heads % {groups} == 0 or {groups} % num_kv_heads == 0."
         )
     return max(num_kv_heads, groups)
-
-
-KV_POOL_SPEC = logical_spec("kv_heads", "kv_pages", None, None)  # [kv_slots, DCP * blocks, bs, d]
-KV_SCALE_SPEC = logical_spec("kv_heads", "kv_pages", None)  # fp8 scales [kv_slots, DCP * blocks, bs]
-
-
-def kv_cache_spec(cache: KVCache) -> KVCache:
-    """The PartitionSpecs of a global `KVCache` (same pytree structure, specs as leaves).
-
-    KV heads are split over "tp"; each DCP rank has its own pool of blocks (the block axis
-    is split over "dcp"); block tables are replicated (one table serves every rank).
-    """
-    some = lambda x, spec: None if x is None else spec
-    return KVCache(
-        k=KV_POOL_SPEC, v=some(cache.v, KV_POOL_SPEC), k_scale=some(cache.k_scale, KV_SCALE_SPEC),
-        v_scale=some(cache.v_scale, KV_SCALE_SPEC), block_tables=some(cache.block_tables, PartitionSpec()),
-        v_head_dim=cache.v_head_dim, num_kv_heads=cache.num_kv_heads, capacity=cache.capacity,
-    )

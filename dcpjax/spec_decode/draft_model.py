@@ -3,7 +3,8 @@
 The draft has its own paged DCP cache with the same number of blocks as the target's, addressed
 by the target's block tables: a sequence's blocks hold its target KV in the target's pools and its
 draft KV in the draft's, so preemption, prefix caching and freeing need no second bookkeeping.
-`Sequence.draft_computed` counts the tokens whose draft KV is written.
+The proposer counts, per sequence, the tokens whose draft KV is written (its own cache, keyed by
+the sequence: nothing of it is on `Sequence`).
 
 Per step:
   - every prefill chunk the target computes, the draft computes too (`after_prefill`); a prefix
@@ -13,8 +14,9 @@ Per step:
     tokens, usually one or two) and samples d1, then k - 1 single-token calls sample d2 .. dk, each
     reading its input from the previous call's samples on the device; the host reads the k calls'
     tokens once, at the end.
-After verification the draft's count rolls back with the target's (`OutputProcessor._accept`):
-the KV of rejected drafts is rewritten before the draft reads that position again.
+After verification the draft's count rolls back with the target's: a decode row starts at the
+target's computed length, and the draft catches up from the lesser of the two, so the KV of rejected
+drafts is rewritten before the draft reads that position again.
 
 Drafts are greedy (a point mass), which keeps verification exact for any sampling parameters (see
 `verify`); a sampled draft would accept more often at high temperature, at the price of keeping
@@ -24,13 +26,15 @@ the draft's probabilities.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
 from flax import nnx
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.runner import KVCacheLayout, ModelRunner, kv_block_layout
+from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout
+from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.sequence import ScheduledRow
 
 
@@ -61,6 +65,8 @@ class DraftModelProposer:
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         self.runner, self.k = runner, num_speculative_tokens
+        # per sequence: the tokens whose draft KV is written (dropped with the sequence)
+        self.computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _launch(self, rows: list[ScheduledRow], block_tables: np.ndarray):
         return self.runner.launch(rows, *self.runner.prepare(rows, block_tables, greedy=True))
@@ -70,21 +76,21 @@ class DraftModelProposer:
         mirrored = []
         for row in rows:
             # tokens before the chunk: mirrored earlier, or a cached prefix whose blocks hold draft KV
-            row.seq.draft_computed = row.start + row.count
+            self.computed[row.seq] = row.start + row.count
             mirrored.append(ScheduledRow(row.seq, row.start, row.count, samples=False, device_input=False))
         self._launch(mirrored, block_tables)
 
-    def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
-        """Set each decode row's `drafts` (at most its `lookahead`): k greedy draft calls, one read."""
+    def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> list[list[int]]:
+        """Each decode row's drafts (at most its `lookahead`): k greedy draft calls, one read."""
         active = [row for row in rows if row.lookahead > 0]
         if not active:
-            return
+            return [[] for _ in rows]
         calls = []
         # call 1: each sequence's tokens the draft has not computed yet (its newest at least) -> d1
         first = []
         for row in active:
             seq = row.seq
-            start = min(seq.draft_computed, row.start)
+            start = min(self.computed.get(seq, 0), row.start)
             first.append(ScheduledRow(seq, start, seq.length - start, samples=True, device_input=False))
         calls.append((active, self._launch(first, block_tables)))
         # call j: d(j-1), from the previous call's samples on the device, at position length + j - 2 -> dj
@@ -101,6 +107,6 @@ class DraftModelProposer:
             for i, row in enumerate(going):
                 drafts[id(row)].append(int(tokens[i]))
         for row in active:
-            row.set_drafts(drafts[id(row)])
             # written: every token before the last draft (the last one is never fed to the draft)
-            row.seq.draft_computed = row.seq.length + len(row.drafts) - 1
+            self.computed[row.seq] = row.seq.length + len(drafts[id(row)]) - 1
+        return [drafts.get(id(row), []) for row in rows]

@@ -66,12 +66,10 @@ class NgramProposer:
         self._buffers[seq] = buffer, length
         return buffer[:length]
 
-    def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray | None = None) -> None:
-        """Set each row's `drafts` (at most its `lookahead`)."""
-        for row in rows:
-            if row.lookahead > 0:
-                drafts = propose_ngram(self._tokens(row.seq), row.lookahead, self.n_min, self.n_max)
-                row.set_drafts(drafts.tolist())
+    def propose(self, rows: list[ScheduledRow], block_tables: np.ndarray | None = None) -> list[list[int]]:
+        """Each row's drafts (at most its `lookahead`; none for a row without room)."""
+        return [propose_ngram(self._tokens(row.seq), row.lookahead, self.n_min, self.n_max).tolist()
+                if row.lookahead > 0 else [] for row in rows]
 
     def after_prefill(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
         """Nothing to keep up to date (the draft model's proposer mirrors prefill chunks here)."""

@@ -1,6 +1,6 @@
 """JSON objects re-written piece by piece as json.dumps(json.loads(text), ensure_ascii=False) would.
 
-Used by dcpjax.serve.tool_streaming so that a tool call's arguments can be streamed while they are
+Used by dcpjax.serve.tools.streaming so that a tool call's arguments can be streamed while they are
 still being decoded and still join to exactly the string the whole text gives. Pure Python.
 """
 

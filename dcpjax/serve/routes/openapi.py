@@ -44,7 +44,7 @@ def error_responses(*statuses: int) -> dict[int | str, dict]:
 
 def route_responses(path: str, *, api_key: bool) -> dict[int | str, dict]:
     """Every status `path` can answer besides 200 (413: the body-size guard sees every request;
-    503: the availability guard (`shutdown`) answers everything but /metrics while draining or after an
+    503: the availability guard (`process.shutdown`) answers everything but /metrics while draining or after an
     engine failure)."""
     statuses = [413] if path == "/metrics" else [413, 503]
     if path.startswith("/v1/"):

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from dcpjax.weights import TensorSource
+from dcpjax.loader.weights import TensorSource
 
 GGUF_INSTALL = "pip install gguf"
 # GGUF architecture -> the transformers architecture dcpjax builds for it
@@ -250,7 +250,7 @@ def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
 def tokenizer(path: str | pathlib.Path):
     """The tokenizer (an `HFTokenizer`) and chat template the file's metadata carries; None if it
     carries none (prompts must then be token ids, as for a folder without tokenizer.json)."""
-    from dcpjax.gguf_tokenizer import gguf_tokenizer
+    from dcpjax.loader.gguf_tokenizer import gguf_tokenizer
 
     file = open_gguf(path)
     return gguf_tokenizer(file.meta, file.path) if "tokenizer.ggml.model" in file.meta else None

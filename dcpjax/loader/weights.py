@@ -3,7 +3,7 @@
 Every dcpjax parameter has a rule that maps the part a device holds (an index of
 slices into the dcpjax layout) to the slice of the Hugging Face tensor it comes
 from, so `jax.make_array_from_callback` reads exactly those bytes from a
-`TensorSource`: safetensors files, a GGUF file (`dcpjax.gguf_loader.GGUFSource`, the same
+`TensorSource`: safetensors files, a GGUF file (`dcpjax.loader.gguf_loader.GGUFSource`, the same
 Hugging Face names and shapes) or an in-memory state dict for random tiny models.
 Parameters padded for the mesh (`models.layers.PADDABLE_AXES`) read their true part
 and zeros after it (`read_padded`).

@@ -15,7 +15,6 @@ positions and sampling values are data: sequences grow inside a bucket without r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as Seq
 
 import jax
@@ -24,16 +23,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dcpjax import step_input
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels import AttentionOptions, KVCache
-from dcpjax.kernels.kv_cache import FP8
+from dcpjax.kernels import AttentionOptions, KVPools
 from dcpjax.models.base import StepBatch, StepContext
-from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
-from dcpjax.models.deepseek import DeepseekV3ForCausalLM
-from dcpjax.models.layers import unsplittable_dims
-from dcpjax.models.llama import LlamaForCausalLM
+from dcpjax.models.config import ModelConfig
+from dcpjax.models.registry import param_specs
+from dcpjax.runner import step_input
+from dcpjax.runner.kv_layout import KVCacheLayout
+from dcpjax.runner.step_output import StepResult, as_bits, pack_logprobs
 from dcpjax.sampling import (
+    Sampled,
     SamplerConfig,
     SamplingRows,
     logits_processors,
@@ -42,116 +41,9 @@ from dcpjax.sampling import (
     sampler_config,
     token_logprobs,
 )
-from dcpjax.sampling.verify import verify_drafts
+from dcpjax.sampling.verify import num_accepted, verify_drafts
 from dcpjax.sequence import ScheduledRow
-from dcpjax.sharding.mesh import KV_POOL_SPEC, KV_SCALE_SPEC, kv_cache_spec, kv_head_slots, logical_spec
-
-MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
-
-
-def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    model_class = MODEL_CLASSES[cfg.architecture]
-    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
-
-
-def layout_problems(cfg: ModelConfig, pc: ParallelConfig, state: nnx.State | None = None) -> list[str]:
-    """Why this model cannot run on `pc`'s mesh, one sentence each (empty: it can): the TP/DCP
-    rules, then any parameter dimension the mesh cannot split (of `state`, the abstract model,
-    built here if not given). The one check of `build_model` and the planner, so a layout
-    reported valid also loads."""
-    broken = pc.model_rule_violations(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
-    if broken:
-        return broken
-    return unsplittable_dims(state if state is not None else _abstract_model(cfg, pc, jnp.float32)[1], pc)
-
-
-def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and its abstract (shape-only) parameters, checked against the mesh
-    before any weight is read (ValueError names the rule, with the DCP sizes that would be
-    valid, or the dimension)."""
-    pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
-    graphdef, state = _abstract_model(cfg, pc, dtype)
-    problems = layout_problems(cfg, pc, state)
-    if problems:
-        raise ValueError(f"tensor_parallel_size={pc.tp}, decode_context_parallel_size={pc.dcp} cannot hold this "
-                         f"model: " + "; ".join(problems))
-    return graphdef, state
-
-
-def param_specs(state: nnx.State):
-    """PartitionSpec per parameter, from its logical axes."""
-    return jax.tree.map(
-        lambda var: logical_spec(*var.logical_axes), state, is_leaf=lambda x: isinstance(x, nnx.Variable)
-    )
-
-
-@dataclasses.dataclass
-class KVCacheLayout:
-    """Sizes of the paged KV pools (per layer, per DCP rank)."""
-
-    num_blocks: int  # physical blocks per rank; block ids are shared by all ranks
-    block_size: int
-    kv_slots: int  # KV heads as stored (repeated over "tp" groups when needed)
-    pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), or (latent,) for MLA
-    dtype: jnp.dtype  # float8_e4m3fn: quantised, with a float32 scale per token and head
-
-    @property
-    def quantized(self) -> bool:
-        return jnp.dtype(self.dtype) == FP8
-
-    def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
-        local_heads = self.kv_slots // tp_groups
-        per_token_head = sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize + (4 * len(self.pool_dims) if self.quantized else 0)
-        return num_layers * self.block_size * local_heads * per_token_head
-
-
-def width_bucket(pages: int) -> int:
-    """The block-table width a step with rows of up to `pages` blocks compiles for: a power of
-    two up to 8, then 8, 12, 16, 24, 32, 48, ... (2^k and 1.5 x 2^k). Attention reads every page
-    of the width: powers of two alone read up to twice what the rows hold, these steps less than
-    1.5 times, for one extra compile per octave."""
-    pow2 = pow2_at_least(pages)
-    return pow2 * 3 // 4 if pow2 >= 16 and pages <= pow2 * 3 // 4 else pow2
-
-
-def _as_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.float32)
-
-
-def _pack_logprobs(values) -> jax.Array:
-    """(logprob [...], rank [...], top_ids [..., k], top_logprobs [..., k]) -> [..., 2 + 2k] float32."""
-    logprob, rank, top_ids, top_logprobs = values
-    return jnp.concatenate([logprob[..., None], _as_bits(rank)[..., None], _as_bits(top_ids), top_logprobs], axis=-1)
-
-
-@dataclasses.dataclass
-class StepResult:
-    """A dispatched step: its rows, and its sampled output still on (or coming from) the device."""
-
-    rows: list[ScheduledRow]
-    output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs ([B, T, ...] if verify)
-    config: SamplerConfig
-    prompt_output: jax.Array | None = None  # [B, T, 2 + 2 * prompt_top] float32: prompt logprobs
-    prompt_top: int | None = None
-    verify: bool = False  # output has a chunk axis: [B, T(, ...)], the samples at every position
-
-    def fetch(self) -> dict[str, np.ndarray]:
-        """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids,
-        top_logprobs; with prompt logprobs "prompt": the same per chunk position, [B, T(, k)]."""
-        out = np.asarray(self.output)
-        values = {"tokens": out} if self.config.num_top is None else _unpack_logprobs(out, self.config.num_top)
-        if self.prompt_output is not None:
-            values["prompt"] = _unpack_logprobs(np.asarray(self.prompt_output), self.prompt_top, has_token=False)
-        return values
-
-
-def _unpack_logprobs(out: np.ndarray, k: int, has_token: bool = True) -> dict[str, np.ndarray]:
-    """[..., (token,) logprob, rank, top_ids * k, top_logprobs * k] float32 (ints bit-cast) -> named arrays."""
-    as_int = lambda x: np.ascontiguousarray(x).view(np.int32)
-    values = {"tokens": as_int(out[..., 0])} if has_token else {}
-    out = out[..., 1:] if has_token else out
-    return values | {"logprobs": out[..., 0], "ranks": as_int(out[..., 1]), "top_ids": as_int(out[..., 2 : 2 + k]),
-                     "top_logprobs": out[..., 2 + k :]}
+from dcpjax.sharding.mesh import RULES
 
 
 class ModelRunner:
@@ -175,7 +67,7 @@ class ModelRunner:
         self._param_leaves = tuple(leaves)
         self._step = self._compile_step()
 
-    def _empty_cache(self) -> KVCache:
+    def _empty_cache(self) -> KVPools:
         """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh."""
         kv, pc = self.kv_layout, self.pc
         local_heads = kv.kv_slots // pc.kv_head_groups
@@ -186,10 +78,10 @@ class ModelRunner:
             make = lambda: jnp.zeros(shape, dtype)
             return jax.jit(jax.shard_map(make, mesh=self.mesh, in_specs=(), out_specs=spec))()
 
-        pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, KV_POOL_SPEC)
-        scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, KV_SCALE_SPEC)
+        pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, RULES.kv_pool_spec)
+        scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, RULES.kv_scale_spec)
         mla = len(kv.pool_dims) == 1
-        return KVCache(
+        return KVPools(
             k=pool(kv.pool_dims[0]), v=None if mla else pool(kv.pool_dims[1]),
             k_scale=scales() if kv.quantized else None, v_scale=scales() if kv.quantized and not mla else None,
             v_head_dim=self.cfg.kv_lora_rank if mla else kv.pool_dims[1],
@@ -199,7 +91,7 @@ class ModelRunner:
         """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [B, vocab],
         or [B, T, vocab] at all positions, float32 replicated, caches)."""
         graphdef, ctx = self.graphdef, self.ctx
-        cache_specs = tuple(kv_cache_spec(cache) for cache in self.kv_caches)
+        cache_specs = tuple(RULES.kv_pools_spec(pools) for pools in self.kv_caches)
 
         def body(state, kv_caches, batch):
             return nnx.merge(graphdef, state)(batch, kv_caches, ctx, all_positions)
@@ -234,29 +126,19 @@ class ModelRunner:
             prompt_out = None
             if prompt_top is not None:  # [B, T, vocab]: each position's logprob of the next prompt token
                 targets = jnp.where(offsets < f.count[:, None] - 1, jnp.roll(batch.tokens, -1, axis=1), f.next[:, None])
-                prompt_out = _pack_logprobs(token_logprobs(logits, jnp.maximum(targets, 0), prompt_top))
+                prompt_out = pack_logprobs(token_logprobs(logits, jnp.maximum(targets, 0), prompt_top))
                 logits = jnp.take_along_axis(logits, batch.last_index[:, None, None], axis=1)[:, 0]
-            rows = SamplingRows(f.temperature, f.top_k, f.top_p, f.min_p, jax.lax.bitcast_convert_type(f.seed, jnp.uint32),
-                                f.counter)
-            if verify:  # [B, T] samples: position j draws output token counter + j (see sampling.verify)
-                sampled, last = verify_drafts(logits, batch.tokens, f.count, rows, config)
-            else:
-                edited = logits
-                if config.processors:  # penalties, logit_bias, ...: the logits sampled from, not those reported
-                    edited = logits_processors.apply(logits, processor_state, f.slot, logits_processors.ProcessorRows(
-                        f.uses_state > 0, f.presence, f.frequency, f.repetition, f.min_tokens, f.counter))
-                sampled = sample(edited, rows, config, raw_logits=logits)
-                last = sampled.tokens
+            sampled, last, accepted = _draw(logits, batch.tokens, f, processor_state, config, verify)
             target = jnp.where(f.samples > 0, f.slot, num_slots)  # out of range: dropped
             slot_tokens = slot_tokens.at[target].set(last, mode="drop")
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
             if config.processors:
                 processor_state = jax.lax.with_sharding_constraint(
                     logits_processors.record(processor_state, target, last), replicated)
-            if config.num_top is None:
-                return sampled.tokens, prompt_out, kv_caches, slot_tokens, processor_state
-            out = jnp.concatenate([_as_bits(sampled.tokens)[..., None], _pack_logprobs(sampled[1:])], axis=-1)
-            return out, prompt_out, kv_caches, slot_tokens, processor_state
+            out = sampled.tokens
+            if config.num_top is not None:
+                out = jnp.concatenate([as_bits(sampled.tokens)[..., None], pack_logprobs(sampled[1:])], axis=-1)
+            return out, accepted, prompt_out, kv_caches, slot_tokens, processor_state
 
         return jax.jit(step, static_argnames=("chunk", "config", "prompt_top", "verify"), donate_argnums=(1, 2, 3))
 
@@ -267,14 +149,14 @@ class ModelRunner:
 
         block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
         greedy: sample every row greedily and skip logprobs (a draft model's proposals).
-        Returns (packed [B, T + P + F] int32 numpy (`dcpjax.step_input`), T, sampler config, top prompt
+        Returns (packed [B, T + P + F] int32 numpy (`dcpjax.runner.step_input`), T, sampler config, top prompt
         logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
         """
         longest, verify = max(r.count for r in rows), any(r.drafts for r in rows)
         batch, chunk = pow2_at_least(len(rows)), pow2_at_least(longest)
         if verify and longest <= self.verify_chunk:
             chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
-        width = min(block_tables.shape[1], width_bucket(max(len(r.seq.blocks) for r in rows)))
+        width = min(block_tables.shape[1], step_input.width_bucket(max(len(r.seq.blocks) for r in rows)))
         n = len(rows)
         step = step_input.PackedStep(batch, n, chunk, width, self.max_num_seqs)
         column = lambda values: np.fromiter(values, np.int32, n)
@@ -316,15 +198,15 @@ class ModelRunner:
             self.processor_state = logits_processors.install(self.processor_state, logits_processors.make_install(
                 admitted, self.max_num_seqs, self.cfg.vocab_size))
         state = self.processor_state if config.processors else None
-        output, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
+        output, accepted, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
             self._param_leaves, self.kv_caches, self.slot_tokens, state, packed, chunk=chunk, config=config,
             prompt_top=prompt_top, verify=verify)
         if config.processors:
             self.processor_state = state
-        output.copy_to_host_async()
-        if prompt_output is not None:
-            prompt_output.copy_to_host_async()
-        return StepResult(rows, output, config, prompt_output, prompt_top, verify)
+        for array in (output, accepted, prompt_output):
+            if array is not None:
+                array.copy_to_host_async()
+        return StepResult(rows, output, config, prompt_output, prompt_top, accepted)
 
     @property
     def compiled_step_count(self) -> int:
@@ -332,23 +214,22 @@ class ModelRunner:
         return self._step._cache_size()
 
 
-def kv_block_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, dtype) -> KVCacheLayout:
-    """The shape of one model's KV blocks (num_blocks still 0)."""
-    if cfg.use_mla:  # one latent per token: the compressed KV and the shared rotary key
-        slots, dims = kv_head_slots(1, pc), (cfg.latent_dim,)
-    else:
-        slots, dims = kv_head_slots(cfg.num_key_value_heads, pc), (cfg.head_dim, cfg.head_dim)
-    return KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype))
+def _draw(logits: jax.Array, tokens: jax.Array, f: step_input.StepFields, processor_state,
+          config: SamplerConfig, verify: bool) -> tuple[Sampled, jax.Array, jax.Array | None]:
+    """Each row's draw from its logits ([B, vocab], or [B, T, vocab] when verifying drafts).
 
-
-def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,
-                    dtype, extra_bytes_per_block: int = 0) -> KVCacheLayout:
-    """Blocks that fit `bytes_per_device` of KV on each device (`extra_bytes_per_block`: what
-    another cache with the same block ids, a draft model's, takes per block)."""
-    layout = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype)
-    per_block = layout.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups) + extra_bytes_per_block
-    layout.num_blocks = int(bytes_per_device // per_block)
-    if layout.num_blocks < 1:
-        raise ValueError(f"kv_cache_memory_bytes={bytes_per_device} holds no block ({per_block} bytes per block "
-                         f"per device); raise it")
-    return layout
+    Returns (the samples with their logprobs: [B] fields, [B, T] when verifying; each row's newest
+    token [B]; when verifying, accepted [B] int32: the drafts kept, so the host need not compare
+    tokens again, else None).
+    """
+    rows = SamplingRows(f.temperature, f.top_k, f.top_p, f.min_p, jax.lax.bitcast_convert_type(f.seed, jnp.uint32),
+                        f.counter)
+    if verify:  # [B, T] samples: position j draws output token counter + j (see sampling.verify)
+        sampled, last = verify_drafts(logits, tokens, f.count, rows, config)
+        return sampled, last, num_accepted(sampled.tokens, tokens, f.count)  # the same ops: XLA computes them once
+    edited = logits
+    if config.processors:  # penalties, logit_bias, ...: the logits sampled from, not those reported
+        edited = logits_processors.apply(logits, processor_state, f.slot, logits_processors.ProcessorRows(
+            f.uses_state > 0, f.presence, f.frequency, f.repetition, f.min_tokens, f.counter))
+    sampled = sample(edited, rows, config, raw_logits=logits)
+    return sampled, sampled.tokens, None

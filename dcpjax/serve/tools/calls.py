@@ -3,7 +3,7 @@
 The request's `tools` go to the chat template (which writes them into the prompt in the
 model's own format). With `tool_choice` "auto" (the default when tools are given) the
 server needs `--enable-auto-tool-choice --tool-call-parser NAME`: the model's output is
-parsed (`tool_parsers`) into `message.tool_calls` and `finish_reason: "tool_calls"`, in
+parsed (`parsers`) into `message.tool_calls` and `finish_reason: "tool_calls"`, in
 streamed deltas too; output that is not a well-formed call stays plain content. "none"
 renders the tools but never parses.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 from dcpjax.serve.errors import APIError
-from dcpjax.serve.tool_parsers import ToolParser, get_tool_parser
+from dcpjax.serve.tools.parsers import ToolParser, get_tool_parser
 
 
 @dataclasses.dataclass(frozen=True)

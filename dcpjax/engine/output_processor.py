@@ -6,66 +6,48 @@ in the new tail (plus the longest stop string's length - 1 characters before it)
 A row whose sequence already finished (a stop seen one step late under asynchronous
 scheduling, or an abort) is dropped, so no token leaks past a stop.
 
-A verify row (speculative decoding) appends its accepted drafts and the token after them one by
-one, stopping at the first stop condition, and rolls the sequence's computed length back to the
-positions whose KV holds accepted tokens (the rejected drafts' KV is overwritten before any query
-can reach it: a query attends only up to its own position).
+A verify row (speculative decoding) appends its accepted drafts (as many as the step counted)
+and the token after them one by one, stopping at the first stop condition. The scheduler's state
+(what is computed, what is pending) is the scheduler's: `Scheduler.update_from_output` runs first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
 from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
-from dcpjax.runner import StepResult
-from dcpjax.sequence import Sequence
-from dcpjax.spec_decode.stats import SpecDecodeStats
+from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.tokenizer import decode_stream
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_ids: Iterable[int], spec_stats: SpecDecodeStats | None = None):
-        self.tokenizer, self.eos = tokenizer, frozenset(eos_token_ids)
-        self.spec_stats = spec_stats
+    """Sampled tokens -> each sequence's tokens, logprobs, text and finish reason."""
 
-    def process(self, result: StepResult, finish: Callable[[Sequence], None]) -> list[Sequence]:
-        """Apply one step's samples; `finish(seq)` for each sequence that ends. Returns those."""
-        values = result.fetch()
+    def __init__(self, tokenizer, eos_token_ids: Iterable[int]):
+        self.tokenizer, self.eos = tokenizer, frozenset(eos_token_ids)
+
+    def process(self, rows: list[ScheduledRow], values: dict[str, np.ndarray]) -> list[Sequence]:
+        """Apply one step's samples (`StepResult.fetch()`'s arrays, one entry per row); returns the
+        sequences this step finished (a row whose sequence had already finished is dropped)."""
         finished = []
-        for i, row in enumerate(result.rows):
+        for i, row in enumerate(rows):
             if "prompt" in values and row.wants_prompt_logprobs and not row.seq.finished:
                 self._record_prompt_logprobs(row, values["prompt"], i)
-            if not row.samples:
-                continue
             seq = row.seq
-            seq.num_pending -= 1
-            if seq.finished:
-                continue  # stopped (or aborted) after this step was scheduled: drop its token
-            if result.verify:
-                self._accept(row, values, i)
+            if not row.samples or seq.finished:
+                continue  # nothing sampled, or stopped (or aborted) after this step was scheduled
+            if "num_accepted" in values:  # a verify row: its accepted drafts, then the next sample
+                for j in range(int(values["num_accepted"][i]) + 1):
+                    self.append(seq, int(values["tokens"][i, j]), values, (i, j))
+                    if seq.finished:
+                        break  # nothing past a stop
             else:
                 self.append(seq, int(values["tokens"][i]), values, (i,))
             if seq.finished:
-                finish(seq)
                 finished.append(seq)
         return finished
-
-    def _accept(self, row, values: dict[str, np.ndarray], i: int) -> None:
-        """A verify row: the drafts equal to the target's samples, then the next sample."""
-        seq, samples, drafts = row.seq, values["tokens"][i], row.drafts
-        accepted = 0
-        while accepted < len(drafts) and samples[accepted] == drafts[accepted]:
-            accepted += 1
-        if self.spec_stats is not None:
-            self.spec_stats.record(len(drafts), accepted)
-        for j in range(accepted + 1):
-            self.append(seq, int(samples[j]), values, (i, j))
-            if seq.finished:
-                break  # nothing past a stop
-        seq.num_computed = min(row.start + accepted + 1, seq.length)  # KV of accepted tokens only
-        seq.draft_computed = min(seq.draft_computed, seq.num_computed)
 
     def append(self, seq: Sequence, token: int, values: dict[str, np.ndarray] | None = None,
                at: tuple = (0,)) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcpjax.serve.tool_streaming import DeltaMessage, Grammar, ToolCall, ToolCallStream
+from dcpjax.serve.tools.streaming import DeltaMessage, Grammar, ToolCall, ToolCallStream
 
 __all__ = ["PARSERS", "DeltaMessage", "ExtractedToolCalls", "ToolCall", "ToolCallStream", "ToolParser",
            "get_tool_parser"]

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
-from dcpjax.sharding.mesh import LOGICAL_AXIS_RULES, kv_head_slots, logical_spec
+from dcpjax.sharding.mesh import RULES, kv_head_slots, logical_spec
 
 
 def _kv_heads(cfg: ModelConfig) -> int:
@@ -53,7 +53,7 @@ def _restore_spec(shape, axes, mesh: Mesh) -> PartitionSpec:
     """The param's spec, with any axis the canonical size cannot split replicated."""
     spec = []
     for n, axis in zip(shape, axes):
-        mesh_axes = LOGICAL_AXIS_RULES.get(axis) if axis else None
+        mesh_axes = RULES.mesh_axes(axis) if axis else None
         ways = 1
         for name in mesh_axes or ():
             ways *= mesh.shape[name]

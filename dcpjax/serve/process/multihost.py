@@ -18,9 +18,9 @@ import threading
 
 import numpy as np
 
-from dcpjax.engine import Engine, Sequence
+from dcpjax.engine.core import Engine, Sequence
 from dcpjax.sampling import SamplingParams
-from dcpjax.serve import faults
+from dcpjax.serve.process import faults
 
 logger = logging.getLogger(__name__)
 

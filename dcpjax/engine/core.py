@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 
-from dcpjax.block_pool import BlockPool, PrefixCacheStats
-from dcpjax.output_processor import OutputProcessor
+from dcpjax.engine.block_pool import BlockPool, PrefixCacheStats
+from dcpjax.engine.config import SchedulerConfig
+from dcpjax.engine.output_processor import OutputProcessor
+from dcpjax.engine.scheduler import Scheduler
 from dcpjax.outputs import RequestOutput
-from dcpjax.runner import StepResult
-from dcpjax.scheduler import Scheduler
+from dcpjax.runner.model_runner import ModelRunner
+from dcpjax.runner.step_output import StepResult
 from dcpjax.sequence import Sequence
 from dcpjax.spec_decode.stats import SpecDecodeStats
 
@@ -63,19 +66,14 @@ class StepTimings:
 class Engine:
     """Schedules sequences onto the model runner, one step at a time."""
 
-    def __init__(self, runner, tokenizer, eos_token_ids, *, block_size: int, max_model_len: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, async_scheduling: bool = True,
-                 enable_prefix_caching: bool = True, proposer=None, num_speculative_tokens: int = 0):
-        self.runner, self.tokenizer = runner, tokenizer
-        self.scheduler = Scheduler(runner.kv_layout.num_blocks, block_size=block_size, dcp=runner.pc.dcp,
-                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens,
-                                   enable_prefix_caching=enable_prefix_caching,
-                                   num_lookahead_tokens=num_speculative_tokens if proposer else 0)
+    def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: Iterable[int], config: SchedulerConfig,
+                 proposer=None):
+        self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.proposer = proposer
-        self.spec_stats = SpecDecodeStats(num_speculative_tokens) if proposer else None
-        self.processor = OutputProcessor(tokenizer, eos_token_ids, self.spec_stats)
-        self.async_scheduling = async_scheduling and proposer is None
+        self.spec_stats = SpecDecodeStats(config.num_lookahead_tokens) if proposer else None
+        self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats)
+        self.processor = OutputProcessor(tokenizer, eos_token_ids)
+        self.async_scheduling = config.async_scheduling and proposer is None
         self.in_flight: list[StepResult] = []  # dispatched, not yet read
         self.timings = StepTimings()
 
@@ -99,8 +97,8 @@ class Engine:
         the prefix cache is emptied (a step that failed may not have written what it holds)."""
         self.in_flight.clear()
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
-            self.scheduler.finish(seq)
-            seq.finish_reason, seq.num_pending = "abort", 0
+            seq.finish_reason = "abort"
+        self.scheduler.reset()
         self.scheduler.allocator.reset()
 
     def reset_prefix_cache(self) -> bool:
@@ -130,7 +128,7 @@ class Engine:
         dispatched, tables = [], self.scheduler.block_tables
         for rows in scheduled.calls:
             if self.proposer is not None and rows is scheduled.decode:
-                self.proposer.propose(rows, tables)
+                self.scheduler.add_drafts(rows, self.proposer.propose(rows, tables))
                 before, now = now, time.perf_counter()
                 t.propose += now - before
             before = now
@@ -152,13 +150,23 @@ class Engine:
             to_read = dispatched
         stats = StepStats(preempted=scheduled.preempted)
         for result in to_read:
-            before = time.perf_counter()
-            result.output.block_until_ready()
-            now = time.perf_counter()
-            t.wait += now - before
-            stats.finished += self.processor.process(result, self.scheduler.finish)
-            t.process += time.perf_counter() - now
+            stats.finished += self._read(result)
         return stats
+
+    def _read(self, result: StepResult) -> list[Sequence]:
+        """A dispatched step's outputs: the scheduler's bookkeeping first, then the tokens; frees and
+        returns the sequences it finished."""
+        before = time.perf_counter()
+        result.output.block_until_ready()
+        now = time.perf_counter()
+        self.timings.wait += now - before
+        values = result.fetch()
+        self.scheduler.update_from_output(result.rows, values.get("num_accepted"))
+        finished = self.processor.process(result.rows, values)
+        for seq in finished:
+            self.scheduler.finish(seq)
+        self.timings.process += time.perf_counter() - now
+        return finished
 
     def run(self, sequences: list[Sequence], on_finish=None) -> None:
         """Add the sequences and step until the engine is idle (offline generation)."""

@@ -1,4 +1,4 @@
-"""The engine behind dcpjax.serve.tool_parsers: tool calls read from text as it is decoded.
+"""The engine behind dcpjax.serve.tools.parsers: tool calls read from text as it is decoded.
 
 A tool-call format is a `Grammar`: the markers that open tool-call markup in free text, and the
 steps that read it (a literal, a field up to a delimiter, a JSON object, a choice of what comes
@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from dcpjax.serve.tool_json import JSON_WHITESPACE, JsonError, JsonObjectWriter
+from dcpjax.serve.tools.json_writer import JSON_WHITESPACE, JsonError, JsonObjectWriter
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 

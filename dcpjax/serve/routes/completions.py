@@ -17,11 +17,11 @@ import time
 
 from fastapi import FastAPI
 
-from dcpjax.requests import best_of
-from dcpjax.serve import logprob_format
+from dcpjax.engine.requests import best_of
 from dcpjax.serve.context import ServerContext, prompt_key, sse, usage
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import CompletionRequest, CompletionResponse
+from dcpjax.serve.routes import logprob_format
 
 
 def _prompts(server: ServerContext, body: CompletionRequest) -> list[tuple[list[int], str]]:

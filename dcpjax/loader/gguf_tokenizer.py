@@ -37,7 +37,7 @@ _SPECIALS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_toke
 
 
 def gguf_tokenizer(meta: dict[str, Any], path: str) -> HFTokenizer:
-    """An `HFTokenizer` from a GGUF file's metadata (`dcpjax.gguf_loader.GGUFFile.meta`).
+    """An `HFTokenizer` from a GGUF file's metadata (`dcpjax.loader.gguf_loader.GGUFFile.meta`).
 
     Raises ValueError for a tokenizer model or pre-tokenizer this does not rebuild, naming
     the way out (`tokenizer=` a Hugging Face folder).

@@ -18,9 +18,9 @@ import pathlib
 from collections.abc import Callable
 
 from dcpjax.config import ParallelConfig
+from dcpjax.loader.weights import SafetensorsSource, TensorSource, random_checkpoint
 from dcpjax.models.config import TINY_MODELS, ModelConfig
 from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
-from dcpjax.weights import SafetensorsSource, TensorSource, random_checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,7 @@ def _unknown(model: str) -> ValueError:
 def resolve(model: str) -> tuple[str, str]:
     """(kind, path) of `model`: kind "tiny", "hf" (a folder with config.json), "gguf" or "json" (a
     config.json or deployment file: a config, no weights); ValueError if none of these."""
-    from dcpjax import gguf_loader
+    from dcpjax.loader import gguf_loader
 
     if model in TINY_MODELS:
         return "tiny", model
@@ -95,7 +95,7 @@ def resolve(model: str) -> tuple[str, str]:
 def load_model_config(name: str) -> ModelConfig:
     """The config of a built-in model, a Hugging Face folder, a GGUF file, a config.json, or the
     "model" of a deployment file (configs/*.json). ValueError if `name` is none of these."""
-    from dcpjax import gguf_loader
+    from dcpjax.loader import gguf_loader
 
     kind, path = resolve(name)
     if kind == "tiny":
@@ -131,7 +131,7 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
     cannot rebuild is no obstacle); `with_tokenizer=False`: none at all (a draft model).
     `load_format` (vLLM's): "auto" reads what the model is; "safetensors" / "gguf" insist on it;
     "dummy" gives random weights of the model's config (any kind, a JSON config too)."""
-    from dcpjax import gguf_loader
+    from dcpjax.loader import gguf_loader
 
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dcpjax.sampling import pow2_at_least
+
 
 class StepFields(NamedTuple):
     """Per-row values of a step, [B] each (on the device: unpacked; float fields as float32)."""
@@ -118,3 +120,12 @@ class PackedStep:
         """REQUEST_FIELDS of the real rows, [n, len(REQUEST_FIELDS)] int32 (from `RequestCache`)."""
         first = COLUMN[REQUEST_FIELDS[0]]
         self._meta[: self.n, first : first + len(REQUEST_FIELDS)] = values
+
+
+def width_bucket(pages: int) -> int:
+    """The block-table width a step with rows of up to `pages` blocks compiles for: a power of
+    two up to 8, then 8, 12, 16, 24, 32, 48, ... (2^k and 1.5 x 2^k). Attention reads every page
+    of the width: powers of two alone read up to twice what the rows hold, these steps less than
+    1.5 times, for one extra compile per octave."""
+    pow2 = pow2_at_least(pages)
+    return pow2 * 3 // 4 if pow2 >= 16 and pages <= pow2 * 3 // 4 else pow2

@@ -24,9 +24,13 @@ step late has its extra row's result dropped by the output processor.
 
 Speculative decoding (`num_lookahead_tokens` k, vLLM's lookahead slots): a decode row gets
 blocks and token budget for k drafts beyond its input (never past `max_total`), as
-`ScheduledRow.lookahead`; the proposer then fills `drafts`, which advance `num_computed`
-until the output processor rolls it back to the accepted tokens. Full blocks are registered
-in the prefix cache from `min(num_computed, length)`, so a rejected draft never is.
+`ScheduledRow.lookahead`; the proposer's drafts then go onto the row (`add_drafts`), advancing
+`num_computed`, until `update_from_output` rolls it back to the accepted tokens. Full blocks are
+registered in the prefix cache from `min(num_computed, length)`, so a rejected draft never is.
+
+The scheduler alone advances a sequence's scheduler state: `schedule` (rows, blocks, slots,
+preemption), `add_drafts`, `update_from_output` (what a step that was read computed), `finish`
+and `reset`. The output processor appends tokens and decides stops; the runner only reads.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ import dataclasses
 
 import numpy as np
 
-from dcpjax.block_pool import ROOT, BlockPool
+from dcpjax.engine.block_pool import ROOT, BlockPool
+from dcpjax.engine.config import SchedulerConfig
 from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.sharding import layout
+from dcpjax.spec_decode.stats import SpecDecodeStats
 
 # Prompt-logprobs chunks get logits at every position ([tokens, vocab] float32, several
 # copies while their log-softmax and top-k are taken, on every device): this many tokens a
@@ -73,20 +79,20 @@ class Scheduler:
     sequence's block table, indexed by its slot, so a step's tables are one numpy gather.
     """
 
-    def __init__(self, num_blocks: int, *, block_size: int, dcp: int, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, enable_prefix_caching: bool = True, num_lookahead_tokens: int = 0):
-        self.block_size, self.dcp = block_size, dcp
-        self.num_lookahead_tokens = num_lookahead_tokens  # room for speculative drafts on decode rows
-        self.max_num_seqs, self.token_budget = max_num_seqs, max_num_batched_tokens
-        self.blocks_per_seq = layout.blocks_needed(max_model_len, block_size, dcp)
-        self.virtual_block_size = layout.virtual_block_size(block_size, dcp)
+    def __init__(self, num_blocks: int, config: SchedulerConfig, *, dcp: int, spec_stats: SpecDecodeStats | None = None):
+        self.config, self.block_size, self.dcp = config, config.block_size, dcp
+        self.num_lookahead_tokens = config.num_lookahead_tokens  # room for speculative drafts on decode rows
+        self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
+        self.blocks_per_seq = layout.blocks_needed(config.max_model_len, config.block_size, dcp)
+        self.virtual_block_size = layout.virtual_block_size(config.block_size, dcp)
         self.allocator = BlockPool(num_blocks, virtual_block_size=self.virtual_block_size,
-                                   enable_caching=enable_prefix_caching)
-        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
-        self.block_tables = np.zeros((max_num_seqs, self.blocks_per_seq), np.int32)
+                                   enable_caching=config.enable_prefix_caching)
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.block_tables = np.zeros((config.max_num_seqs, self.blocks_per_seq), np.int32)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.spec_stats = spec_stats  # drafts proposed and accepted, counted as steps are read
         self._prompt_logprobs_budget = 0  # set by each schedule()
 
     # -- queues ------------------------------------------------------------------------------
@@ -112,6 +118,13 @@ class Scheduler:
                 pass
         self._cache_full_blocks(seq)
         self._release(seq)
+
+    def reset(self) -> None:
+        """Finish every sequence (after a failed or interrupted step, whose tokens in flight will
+        never be read): every block and slot is free, nothing is pending."""
+        for seq in [*self.waiting, *self.running]:
+            self.finish(seq)
+            seq.num_pending = 0
 
     @property
     def kv_usage(self) -> float:
@@ -255,3 +268,31 @@ class Scheduler:
         prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
         decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]
         return SchedulerOutput(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])
+
+    # -- after the proposer and after the device -------------------------------------------------
+    def add_drafts(self, rows: list[ScheduledRow], drafts: list[list[int]]) -> None:
+        """Verify each decode row's proposed `drafts` too (at most its `lookahead`, for which room
+        is reserved): the row then covers positions start .. start + len(drafts)."""
+        for row, proposed in zip(rows, drafts):
+            proposed = list(proposed[: row.lookahead])
+            grown = len(proposed) - len(row.drafts)
+            row.seq.num_computed += grown
+            row.count += grown
+            row.drafts = proposed
+
+    def update_from_output(self, rows: list[ScheduledRow], num_accepted: np.ndarray | None) -> None:
+        """What a step that has been read leaves behind: each row that sampled no longer waits on
+        the device; a verify row (`num_accepted` [rows]: drafts kept, from the step) keeps the KV of
+        its input and accepted drafts only: the rejected drafts' positions are computed again, their
+        KV rewritten before any query can reach it (a query attends only up to its own position)."""
+        for i, row in enumerate(rows):
+            if not row.samples:
+                continue
+            seq = row.seq
+            seq.num_pending -= 1
+            if num_accepted is None or seq.finished:
+                continue
+            accepted = int(num_accepted[i])
+            if self.spec_stats is not None:
+                self.spec_stats.record(len(row.drafts), accepted)
+            seq.num_computed = row.start + accepted + 1

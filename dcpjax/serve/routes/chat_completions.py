@@ -2,7 +2,7 @@
 
 `logprobs: true` (+ `top_logprobs`) returns `choices[].logprobs.content` as OpenAI does, in
 streamed deltas too; `n` choices are drawn independently; `prompt_logprobs` (vLLM's field)
-comes at the top level as vLLM returns it; `tools` and `tool_choice` as `tool_calls` explains.
+comes at the top level as vLLM returns it; `tools` and `tool_choice` as `tools.calls` explains.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 from fastapi import FastAPI
 
 from dcpjax.chat_template import text_content
-from dcpjax.requests import best_of
-from dcpjax.serve import logprob_format
+from dcpjax.engine.requests import best_of
 from dcpjax.serve.context import ServerContext, prompt_key, sse, usage
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ChatCompletionResponse, ChatRequest
-from dcpjax.serve.tool_calls import StreamedToolCalls, parsed_message, tool_definitions
+from dcpjax.serve.routes import logprob_format
+from dcpjax.serve.tools.calls import StreamedToolCalls, parsed_message, tool_definitions
 
 
 def message_dicts(body) -> list[dict]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from dcpjax.serve.chat_completions import chat_prompt
 from dcpjax.serve.context import ServerContext
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import (
@@ -15,7 +14,8 @@ from dcpjax.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from dcpjax.serve.tool_calls import tool_definitions
+from dcpjax.serve.routes.chat_completions import chat_prompt
+from dcpjax.serve.tools.calls import tool_definitions
 
 
 def _tokenizer(server: ServerContext):

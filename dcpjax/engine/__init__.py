@@ -1,0 +1,2 @@
+"""The engine: requests in (`requests`), continuous batching (`scheduler`, `block_pool`), the loop
+over the runner (`core`) and tokens out (`output_processor`)."""

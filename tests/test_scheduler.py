@@ -1,0 +1,129 @@
+"""The scheduler on its own (no model, no device): which rows a step gets, and that it alone
+advances a sequence's scheduler state — schedule, add_drafts, update_from_output, finish, reset."""
+
+import numpy as np
+import pytest
+
+from dcpjax.engine.config import SchedulerConfig
+from dcpjax.engine.scheduler import Scheduler
+from dcpjax.sampling import SamplingParams
+from dcpjax.sequence import Sequence
+from dcpjax.spec_decode.stats import SpecDecodeStats
+
+
+def make_scheduler(num_blocks=16, dcp=1, spec_stats=None, **config) -> Scheduler:
+    config = {"max_model_len": 64, "block_size": 4, "max_num_seqs": 4, "max_num_batched_tokens": 16, **config}
+    return Scheduler(num_blocks, SchedulerConfig(**config), dcp=dcp, spec_stats=spec_stats)
+
+
+def make_seq(request_id: str, prompt_len: int, max_tokens: int = 8, first: int = 1, **params) -> Sequence:
+    ids = list(range(first, first + prompt_len))
+    return Sequence(request_id, None, ids, SamplingParams(max_tokens=max_tokens, **params),
+                    max_total=prompt_len + max_tokens, seed=0)
+
+
+def read(scheduler: Scheduler, rows, tokens: dict, accepted=None) -> None:
+    """What the engine does with a step that was read: the scheduler's bookkeeping, then the
+    output processor's appends (here: given tokens per request)."""
+    scheduler.update_from_output(rows, accepted)
+    for row in rows:
+        if row.samples and not row.seq.finished:
+            row.seq.token_ids += tokens.get(row.seq.request_id, [0])
+
+
+def test_first_come_first_served_prefill_then_decode():
+    scheduler = make_scheduler()
+    a, b = make_seq("a", 10), make_seq("b", 10, first=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule()
+    # the token budget (16) takes a's whole prompt and 6 of b's, in that order
+    assert [(r.seq.request_id, r.start, r.count, r.samples) for r in step.prefill] == [("a", 0, 10, True),
+                                                                                      ("b", 0, 6, False)]
+    assert all(r.admitted for r in step.prefill) and not step.decode
+    assert (a.num_computed, a.num_pending, b.num_computed, b.num_pending) == (10, 1, 6, 0)
+    assert len(a.blocks) == 3 and len(b.blocks) == 2  # blocks of 4 tokens
+    np.testing.assert_array_equal(scheduler.block_tables[a.slot, :3], a.blocks)
+    read(scheduler, step.prefill, {"a": [77]})
+    assert a.num_pending == 0 and a.token_ids[-1] == 77
+    step = scheduler.schedule()
+    # a decodes its new token; b finishes its prompt
+    assert [(r.seq.request_id, r.start, r.count) for r in step.decode] == [("a", 10, 1)]
+    assert [(r.seq.request_id, r.start, r.count, r.samples) for r in step.prefill] == [("b", 6, 4, True)]
+    assert step.decode[0].input_ids == [77] and not step.decode[0].device_input
+
+
+def test_a_pending_token_is_decoded_from_the_device():
+    """Asynchronous scheduling: the next step is scheduled before the last one is read."""
+    scheduler = make_scheduler()
+    seq = make_seq("a", 5)
+    scheduler.add(seq)
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # first not read yet
+    (row,) = second.decode
+    assert row.device_input and row.start == 5 and seq.num_pending == 2 and seq.num_tokens == 7
+    scheduler.update_from_output(first.calls[0], None)
+    assert seq.num_pending == 1
+
+
+def test_preemption_frees_the_latest_admitted_and_requeues_it_first():
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=32)
+    a, b = make_seq("a", 12, max_tokens=20), make_seq("b", 11, max_tokens=20, first=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule()
+    assert scheduler.allocator.num_free == 0
+    read(scheduler, step.prefill, {"a": [5], "b": [6]})
+    step = scheduler.schedule()  # a needs a fourth block for position 12: b goes back to the queue
+    assert step.preempted == 1 and scheduler.num_preemptions == 1
+    assert list(scheduler.waiting) == [b] and b.num_computed == 0 and b.blocks == [] and b.slot is None
+    assert [(r.seq.request_id, r.start) for r in step.decode] == [("a", 12)]
+
+
+def test_prefix_cache_hits_skip_the_cached_blocks():
+    scheduler = make_scheduler()
+    a = make_seq("a", 10)
+    scheduler.add(a)
+    read(scheduler, scheduler.schedule().prefill, {"a": [3]})
+    b = make_seq("b", 10)  # the same prompt: its first two full blocks are a's
+    scheduler.add(b)
+    step = scheduler.schedule()
+    (row,) = [r for r in step.prefill if r.seq is b]
+    assert (row.start, row.count, b.num_cached_tokens) == (8, 2, 8)
+    assert b.blocks[:2] == a.blocks[:2] and scheduler.allocator.ref_counts[a.blocks[0]] == 2
+
+
+def test_drafts_advance_computed_and_the_step_rolls_them_back():
+    stats = SpecDecodeStats(3)
+    scheduler = make_scheduler(num_lookahead_tokens=3, spec_stats=stats)
+    seq = make_seq("a", 6)
+    scheduler.add(seq)
+    read(scheduler, scheduler.schedule().prefill, {"a": [9]})
+    step = scheduler.schedule()
+    (row,) = step.decode
+    assert row.lookahead == 3 and row.count == 1
+    scheduler.add_drafts(step.decode, [[4, 5, 6, 7]])  # one more than the room: trimmed
+    assert row.drafts == [4, 5, 6] and row.count == 4 and seq.num_computed == 10 and row.is_decode
+    read(scheduler, step.decode, {"a": [4, 8]}, accepted=np.array([1]))
+    # input (position 6) and one accepted draft (7) keep their KV; the rejected two are recomputed
+    assert seq.num_computed == 8 and seq.num_pending == 0 and seq.length == 9
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 1)
+
+
+def test_finish_and_reset_free_every_block_and_slot():
+    scheduler = make_scheduler()
+    seqs = [make_seq(str(i), 7, first=10 * i) for i in range(3)]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduler.schedule()
+    scheduler.finish(seqs[0])
+    assert seqs[0].blocks == [] and seqs[0].slot is None and seqs[0] not in scheduler.running
+    scheduler.reset()
+    assert not scheduler.has_unfinished() and scheduler.allocator.num_free == 16
+    # (seqs[0]'s token in flight is still read later: finish leaves it pending)
+    assert all(seq.num_pending == 0 for seq in seqs[1:]) and sorted(scheduler.free_slots) == [0, 1, 2, 3]
+
+
+def test_a_bad_token_budget_is_refused():
+    with pytest.raises(ValueError, match="power of two, got 12"):
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=12)
