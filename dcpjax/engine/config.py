@@ -10,7 +10,6 @@ import jax.numpy as jnp
 
 from dcpjax.config import ParallelConfig
 from dcpjax.kernels import check_attention_backend
-from dcpjax.sampling import MAX_LOGPROBS
 from dcpjax.sharding import layout
 from dcpjax.spec_decode.config import SpeculativeConfig
 
@@ -51,31 +50,34 @@ class EngineConfig:
     grouped, made by `LLM` from its keyword arguments or by `EngineArgs.create_engine_config()`.
     The loading steps read it instead of a fan-out of keyword arguments. See `LLM` for each field.
 
+    No field has a default: `LLM`'s signature and `EngineArgs` hold them (vLLM's names), and both
+    pass every field, so the defaults live in two places rather than three.
+
     The checks that need nothing loaded run here, in the order `LLM` always reported them; those
     that need the model (max_model_len against its positions, the TP/DCP rules against its heads)
     run when it is loaded.
     """
 
-    model: str = "tiny-llama"
-    tokenizer: str | None = None
-    parallel: ParallelConfig = dataclasses.field(default_factory=lambda: ParallelConfig(1, 1))
-    dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    kv_cache_memory_bytes: int | None = None
-    kv_cache_dtype: str = "auto"
-    attention_backend: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 256
-    async_scheduling: bool = True
-    orbax_checkpoint: str | None = None
-    enable_prefix_caching: bool = True
-    speculative: SpeculativeConfig | None = None
-    load_format: str = "auto"
-    generation_config: str = "auto"
-    max_logprobs: int = MAX_LOGPROBS
+    model: str
+    tokenizer: str | None
+    parallel: ParallelConfig
+    dtype: str
+    max_model_len: int | None  # None: the model's max_position_embeddings
+    kv_cache_memory_bytes: int | None
+    kv_cache_dtype: str
+    attention_backend: str
+    seed: int
+    block_size: int
+    gpu_memory_utilization: float
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    async_scheduling: bool
+    orbax_checkpoint: str | None
+    enable_prefix_caching: bool
+    speculative: SpeculativeConfig | None
+    load_format: str
+    generation_config: str
+    max_logprobs: int
 
     def __post_init__(self) -> None:
         check_attention_backend(self.attention_backend)
