@@ -3,6 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def env_without_forced_device_count(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """A copy of `environ` (default: this process's) whose XLA_FLAGS no longer forces a CPU
+    device count; every other XLA flag stays. For a child process that sets up its own devices
+    (`--num-cpu-devices`): a parent's forced count (the tests' 8) would clash with it."""
+    env = dict(os.environ if environ is None else environ)
+    flags = " ".join(_DEVICE_COUNT_FLAG.sub("", env.pop("XLA_FLAGS", "")).split())
+    if flags:
+        env["XLA_FLAGS"] = flags
+    return env
 
 
 def use_cpu_devices(count: int) -> None:

@@ -11,6 +11,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from dcpjax.devices import env_without_forced_device_count
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "colab" / "quickstart.ipynb"
 
@@ -54,7 +56,10 @@ def _sweep_rows(outputs: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_quickstart_runs_top_to_bottom(monkeypatch, tmp_path):
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the notebook sets up its own devices
+    # the notebook sets up its own devices
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    if flags := env_without_forced_device_count().get("XLA_FLAGS"):
+        monkeypatch.setenv("XLA_FLAGS", flags)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # run where neither configs/ nor ../configs exists: the deployments come from the package
     NotebookClient(notebook, timeout=600, kernel_name="python3",

@@ -14,17 +14,15 @@ import sys
 
 import pytest
 
+from dcpjax.devices import env_without_forced_device_count
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def _clean_env():
-    import os
-
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the snippets must set up devices themselves
-    return env
+    return env_without_forced_device_count()  # the snippets must set up devices themselves
 
 
 def _name(path: pathlib.Path) -> str:

@@ -25,6 +25,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import IO, Self
 
+from dcpjax.devices import env_without_forced_device_count
+
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
@@ -38,9 +40,9 @@ def free_port(host: str = HOST) -> int:
 
 
 def server_env() -> dict[str, str]:
-    """This process's environment without XLA_FLAGS: the server sets up its devices itself
-    (`--num-cpu-devices`), and a parent's forced device count (the tests') would clash."""
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """This process's environment without a forced CPU device count in XLA_FLAGS: the server
+    sets up its devices itself (`--num-cpu-devices`). The other XLA flags pass through."""
+    return env_without_forced_device_count()
 
 
 class ServerProcess:
