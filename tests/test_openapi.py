@@ -13,7 +13,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from dcpjax import LLM
+from dcpjax import LLM, SamplingParams
+from dcpjax.engine.requests import RequestError
 from dcpjax.serve.api import build_app
 from dcpjax.serve.metrics import Metrics
 from dcpjax.serve.process.launch import start_server
@@ -150,13 +151,14 @@ def test_chat_admission_errors(client):
     assert error["param"] == "messages" and "shorten it" in error["message"]
 
 
-def test_a_request_larger_than_the_whole_kv_cache_is_refused(client, llm, monkeypatch):
-    """max_model_len always fits in the cache (LLM checks it), so shrink the cache the API layer sees."""
-    monkeypatch.setattr(llm, "kv_cache_size_tokens", 16)
-    error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 20}), 400)
-    assert error["param"] == "max_tokens" and error["code"] == "context_length_exceeded"
-    for fragment in ("26 tokens", "6 of prompt", "whole KV cache holds (16 tokens)", "lower max_tokens"):
-        assert fragment in error["message"], error["message"]
+@pytest.mark.parametrize("prompt", [[1, 2, 264], [], list(range(40))], ids=["vocabulary", "empty", "too-long"])
+def test_the_server_refuses_what_llm_refuses(client, llm, prompt):
+    """One set of request checks: the 400 carries LLM.generate's RequestError (message, param, code)."""
+    with pytest.raises(RequestError) as raised:
+        llm.make_sequences({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))
+    error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}), 400)
+    assert error["message"] == str(raised.value) and error["param"] == raised.value.param == "prompt"
+    assert error["code"] == (raised.value.code or "invalid_request_error")
 
 
 def test_guard_errors_are_openai_bodies(llm):

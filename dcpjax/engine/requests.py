@@ -4,7 +4,8 @@ One prompt draws `params.num_draws` completions (n, or best_of), each its own Se
 seed, completion i draws with seed + i (as vLLM does); the prefix cache lets the later ones reuse
 the first one's prompt KV. `request_output` folds them back into one RequestOutput, keeping the
 n best by cumulative logprob when best_of > n. The server and `LLM.generate` both build requests
-here, so a request the one accepts the other accepts too.
+here, so a request the one accepts the other accepts too: a refused one raises `RequestError`
+(a ValueError naming the field and the fix), which the server turns into a 400 with that param.
 """
 
 from __future__ import annotations
@@ -18,6 +19,31 @@ from dcpjax.outputs import RequestOutput
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sampling.logits_processors import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, logits_spec
 from dcpjax.sequence import Sequence
+
+
+class RequestError(ValueError):
+    """A request this engine cannot serve as given: what is wrong and how to fix it (the message),
+    the field at fault (`param`: "prompt" or a SamplingParams field) and an OpenAI error `code`."""
+
+    def __init__(self, message: str, param: str, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, index: int = 0) -> None:
+    """A prompt's token ids: at least one, each in [0, vocab_size), and fewer than max_model_len
+    (at least one token left to generate)."""
+    if not ids:
+        raise RequestError(f"prompt {index} is empty: send at least one token", "prompt")
+    for position, token in enumerate(ids):
+        if not 0 <= token < vocab_size:
+            raise RequestError(f"prompt {index}: token id {token} (position {position}) is outside this model's "
+                               f"vocabulary [0, {vocab_size}); send ids the model's tokenizer produces", "prompt",
+                               "invalid_token_id")
+    if len(ids) >= max_model_len:
+        raise RequestError(f"prompt {index} is {len(ids)} tokens; max_model_len={max_model_len} (prompt + output) "
+                           f"leaves no room to generate: shorten it to at most {max_model_len - 1} tokens", "prompt",
+                           "context_length_exceeded")
 
 
 class RequestBuilder:
@@ -34,20 +60,20 @@ class RequestBuilder:
         """(text, token ids) of a prompt: text, or {"prompt_token_ids": [...], "prompt": optional text}."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (no tokenizer.json in its folder, or no tokenizer "
-                                 "metadata in its GGUF): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
-                                 "Face folder")
+                raise RequestError("this model has no tokenizer (no tokenizer.json in its folder, or no tokenizer "
+                               "metadata in its GGUF): pass {'prompt_token_ids': [...]}, or tokenizer= a Hugging "
+                               "Face folder", "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        raise ValueError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got "
-                         f"{type(prompt).__name__}")
+        raise RequestError(f"prompt {index} must be a string or {{'prompt_token_ids': [...]}}, got "
+                           f"{type(prompt).__name__}", "prompt")
 
     def sequences(self, prompt, params: SamplingParams, index: int = 0,
                   request_id: str | None = None) -> list[Sequence]:
         """The `params.num_draws` sequences of one prompt (ids `request_id`, or `request_id-i` for several)."""
         text, ids = self.prompt_ids(prompt, index)
-        self._check_prompt(ids, index)
+        check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, index)
         self._check_params(params)
         bad_words = self._bad_word_ids(params)
         spec = logits_spec(params, ids, self.eos, bad_words)
@@ -63,37 +89,28 @@ class RequestBuilder:
                 logits_spec=spec))
         return seqs
 
-    def _check_prompt(self, ids: list[int], index: int) -> None:
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        vocab = self.cfg.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt {index} has token ids outside [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room to generate")
-
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the vocabulary, the tokenizer, speculative decoding."""
         for field in ("logprobs", "prompt_logprobs"):
             if (getattr(params, field) or 0) > self.max_logprobs:
-                raise ValueError(f"SamplingParams.{field}={getattr(params, field)} is more than this engine's "
-                                 f"max_logprobs={self.max_logprobs}: ask for fewer, or start with a larger "
-                                 "--max-logprobs")
+                raise RequestError(f"SamplingParams.{field}={getattr(params, field)} is more than this engine's "
+                                   f"max_logprobs={self.max_logprobs}: ask for fewer, or start with a larger "
+                                   "--max-logprobs", field)
         vocab = self.cfg.vocab_size
         for field in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
             ids = getattr(params, field) or ()
             outside = [t for t in ids if t >= vocab]
             if outside:
-                raise ValueError(f"SamplingParams.{field} has token ids outside this model's vocabulary [0, {vocab}): "
-                                 f"{outside[:5]}")
+                raise RequestError(f"SamplingParams.{field} has token ids outside this model's vocabulary "
+                                   f"[0, {vocab}): {outside[:5]}", field, "invalid_token_id")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none (pass tokenizer=)")
+            raise RequestError("SamplingParams.bad_words needs a tokenizer; this model has none (pass tokenizer=)",
+                               "bad_words")
         if self.speculative and (params.penalised or params.logit_bias or params.allowed_token_ids is not None
                                  or params.bad_words or params.min_tokens):
-            raise ValueError("penalties, logit_bias, allowed_token_ids, bad_words and min_tokens are not supported "
-                             "with speculative decoding (drafts are verified against unedited logits): drop them, "
-                             "or start without speculative_config")
+            raise RequestError("penalties, logit_bias, allowed_token_ids, bad_words and min_tokens are not "
+                               "supported with speculative decoding (drafts are verified against unedited logits): "
+                               "drop them, or start without speculative_config", "speculative_config")
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (how it appears mid-text), as vLLM bans them."""
@@ -105,11 +122,11 @@ class RequestBuilder:
                     words.append(ids)
         too_long = [w for w in words if len(w) > MAX_BAD_WORD_TOKENS]
         if too_long:
-            raise ValueError(f"SamplingParams.bad_words: a word of {len(too_long[0])} tokens; at most "
-                             f"{MAX_BAD_WORD_TOKENS} tokens per word")
+            raise RequestError(f"SamplingParams.bad_words: a word of {len(too_long[0])} tokens; at most "
+                               f"{MAX_BAD_WORD_TOKENS} tokens per word", "bad_words")
         if sum(len(w) > 1 for w in words) > MAX_BAD_WORDS:
-            raise ValueError(f"SamplingParams.bad_words: more than {MAX_BAD_WORDS} words of several tokens "
-                             "(counting each with and without a leading space)")
+            raise RequestError(f"SamplingParams.bad_words: more than {MAX_BAD_WORDS} words of several tokens "
+                               "(counting each with and without a leading space)", "bad_words")
         return words
 
 

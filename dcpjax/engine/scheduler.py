@@ -220,19 +220,27 @@ class Scheduler:
         return budget
 
     def schedule(self) -> SchedulerOutput:
-        """The rows of the next step; updates each scheduled sequence's progress."""
-        rows, budget, preempted = [], self.token_budget, 0
+        """The rows of the next step (running sequences first, then new ones, vLLM's order);
+        updates each scheduled sequence's progress."""
         self._prompt_logprobs_budget = min(self.token_budget, PROMPT_LOGPROBS_TOKENS)
-        index = 0
+        rows, budget, preempted = self._schedule_running(self.token_budget)
+        rows += self._admit_waiting(budget)
+        prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
+        decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]
+        return SchedulerOutput(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])
+
+    def _schedule_running(self, budget: int) -> tuple[list[ScheduledRow], int, int]:
+        """(rows, budget left, preemptions) for the running sequences, oldest first: a sequence
+        without room for its blocks preempts the newest ones (itself last)."""
+        rows, preempted, index = [], 0, 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            index += 1
             self._cache_full_blocks(seq)
             if seq.num_pending and seq.num_tokens >= seq.max_total:
-                index += 1  # its pending token ends it ("length"): nothing more to compute
-                continue
+                continue  # its pending token ends it ("length"): nothing more to compute
             want = min(seq.num_tokens - seq.num_computed, self._budget_for(seq, budget))
             if want <= 0:
-                index += 1
                 continue
             lookahead = self._lookahead(seq, budget)
             while not self._grow(seq, seq.num_computed + want + lookahead):
@@ -246,7 +254,11 @@ class Scheduler:
             rows.append(self._row(seq, want))
             rows[-1].lookahead = lookahead
             budget -= want + lookahead
-            index += 1
+        return rows, budget, preempted
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRow]:
+        """Rows for waiting sequences, first come first served, while slots, blocks and `budget` last."""
+        rows = []
         while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if seq.num_pending:
@@ -258,16 +270,14 @@ class Scheduler:
             if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
-                break  # first come first served: nobody overtakes the head of the queue
+                break  # nobody overtakes the head of the queue
             self._grow(seq, seq.num_computed + want)
             self.waiting.popleft()
             self.running.append(seq)
             rows.append(self._row(seq, want))
             rows[-1].admitted = True
             budget -= want
-        prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
-        decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]
-        return SchedulerOutput(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])
+        return rows
 
     # -- after the proposer and after the device -------------------------------------------------
     def add_drafts(self, rows: list[ScheduledRow], drafts: list[list[int]]) -> None:

@@ -3,7 +3,8 @@
 
 Every bad request gets an OpenAI-style body {"error": {"message", "type", "param", "code"}}
 with a 4xx status (`errors`); one request's error never touches the others: the engine
-thread only ever sees requests that passed admission (`routes.admission`). /openapi.json
+thread only ever sees requests that passed the LLM's own request checks
+(`engine.requests.RequestError`, each a 400 naming its field). /openapi.json
 documents every status each route can send (`routes.openapi`).
 
 `build_app` assembles the app from small builders: the error handling, the info routes,

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 from fastapi.responses import StreamingResponse
 
 from dcpjax.chat_template import ChatTemplate
+from dcpjax.engine.requests import RequestError
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
-from dcpjax.serve.routes import admission
 from dcpjax.serve.tools.calls import ToolConfig
 
 if TYPE_CHECKING:  # for the types only: the routes receive these objects, they do not build them
@@ -55,7 +55,7 @@ class ServerContext:
         """The request's SamplingParams: its fields, else the model's generation_config defaults,
         else vLLM's; a 400 naming the field for a value or a field the server cannot honour."""
         check_extra_fields(body)
-        admission.check_max_tokens(max_tokens, self.llm.max_model_len, max_tokens_param)
+        _check_max_tokens(max_tokens, self.llm.max_model_len, max_tokens_param)
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise APIError(400, "best_of > n cannot stream (the best choices are known only at the end): send "
                                 "stream=false, or drop best_of", param="best_of")
@@ -84,20 +84,14 @@ class ServerContext:
 
     def sequences(self, ids: list[int], text: str | None, params: SamplingParams,
                   param: str = "prompt") -> list[Sequence]:
-        """The engine sequences of a prompt's n (or best_of) choices, once it passed admission (else
-        a 400 naming the fix)."""
-        llm = self.llm
-        admission.check_token_ids(ids, llm.model_config.vocab_size)
-        admission.check_prompt_length(len(ids), llm.max_model_len, param)
+        """The engine sequences of a prompt's n (or best_of) choices, built by the LLM's own request
+        checks (`engine.requests`): what it refuses is a 400 naming the field (`param` for the prompt:
+        "prompt", or "messages" for a chat)."""
         try:
-            seqs = llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params,
-                                      request_id=f"cmpl-{uuid.uuid4().hex}")
-        except ValueError as err:
-            raise APIError(400, str(err), param=_field_of(str(err)) or param) from err
-        scheduler = llm.engine.scheduler
-        admission.check_kv_capacity(len(ids), seqs[0].max_total, kv_cache_size_tokens=llm.kv_cache_size_tokens,
-                                    block_size=scheduler.block_size, dcp=scheduler.dcp)
-        return seqs
+            return self.llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params,
+                                           request_id=f"cmpl-{uuid.uuid4().hex}")
+        except RequestError as err:
+            raise APIError(400, str(err), param=param if err.param == "prompt" else err.param, code=err.code) from err
 
     def encode(self, text: str, **kwargs) -> list[int]:
         if self.llm.tokenizer is None:
@@ -184,6 +178,15 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids (strings of integers, as OpenAI's tokenizer "
                             "gives them)", param="logit_bias") from None
+
+
+def _check_max_tokens(max_tokens: int | None, max_model_len: int, param: str) -> None:
+    """The server's rule (vLLM's): max_tokens within max_model_len, where `LLM.generate` would stop
+    at max_model_len (finish 'length')."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise APIError(400, f"{param}={max_tokens} is larger than this server's max_model_len={max_model_len} "
+                            "(prompt + output tokens): ask for at most max_model_len minus the prompt's length",
+                       param=param, code="context_length_exceeded")
 
 
 def _field_of(message: str) -> str | None:

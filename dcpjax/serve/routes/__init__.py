@@ -1,2 +1,2 @@
 """The HTTP endpoints, one module per family (`completions`, `chat_completions`, `tokenization`),
-and what only they use: admission checks, logprob formatting, the OpenAPI document."""
+and what only they use: logprob formatting, the OpenAPI document."""
