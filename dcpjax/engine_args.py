@@ -150,6 +150,9 @@ class EngineArgs:
                                   "generation_config.json, if any), 'vllm' (vLLM's defaults) or a folder", kind=str)
     max_logprobs: int = _arg(MAX_LOGPROBS, "the most logprobs / prompt_logprobs a request may ask for",
                              check=_at_least(0))
+    compilation_cache_dir: str | None = _arg(
+        "auto", "JAX's persistent compilation cache folder, so a second start loads its steps instead of compiling "
+        "them: 'auto' ($DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or 'none' (off)", kind=str)
     enforce_eager: bool = _arg(False, "accepted for vLLM's command lines: dcpjax has no CUDA graphs, every step is "
                                "a jit-compiled XLA program either way", kind=bool)
     trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: dcpjax runs no code from model "

@@ -21,6 +21,7 @@ from dcpjax.loader.weights import ignored_checkpoint_tensor, load_state, model_r
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import build_model
 from dcpjax.outputs import RequestOutput
+from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
 from dcpjax.runner.kv_budget import kv_bytes_per_device
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.runner.model_runner import ModelRunner
@@ -94,6 +95,10 @@ class LLM:
       generation_config: where `get_default_sampling_params` comes from: "auto" (the model
         folder's generation_config.json, if any), "vllm" (vLLM's defaults) or a folder.
       max_logprobs: the most logprobs / prompt_logprobs a request may ask for.
+      compilation_cache_dir: JAX's persistent compilation cache, so a second start with the same
+        model and configuration loads its steps instead of compiling them: "auto" (default:
+        $DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or None / "" (off:
+        JAX's own setting stands).
       enforce_eager, trust_remote_code: accepted for vLLM's command lines; neither changes
         anything here (dcpjax has no CUDA graphs to skip, and runs no code from model folders:
         its own implementations of the supported architectures).
@@ -125,6 +130,7 @@ class LLM:
         load_format: str = "auto",
         generation_config: str = "auto",
         max_logprobs: int = MAX_LOGPROBS,
+        compilation_cache_dir: str | None = "auto",
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
     ):
@@ -139,7 +145,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, async_scheduling=async_scheduling,
             orbax_checkpoint=orbax_checkpoint, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig.from_dict(speculative_config), load_format=load_format,
-            generation_config=generation_config, max_logprobs=max_logprobs)
+            generation_config=generation_config, max_logprobs=max_logprobs,
+            compilation_cache_dir=compilation_cache_dir)
         self._load(config, devices)
 
     @classmethod
@@ -152,6 +159,8 @@ class LLM:
     def _load(self, config: EngineConfig, devices: Seq[jax.Device] | None) -> None:
         """Mesh, model, weights, KV cache, runner and engine, in that order, from one config."""
         self.config, self.parallel_config, self.seed = config, config.parallel, config.seed
+        compile_watch()  # count compiles from here on (`dcpjax:compilations_total`)
+        self.compilation_cache_dir = use_compilation_cache(resolve_compilation_cache_dir(config.compilation_cache_dir))
         self.mesh = make_mesh(config.parallel, devices)
         # the platform of a device; one of another process is fine for that
         self.dtype, cache_dtype = config.dtypes(self.mesh.devices.flat[0].platform)

@@ -15,6 +15,9 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# no persistent compilation cache (LLM's default is one in ~/.cache): a cold CI run gains few hits
+# and pays for writing every entry; tests of the cache give their own folder
+os.environ["DCPJAX_COMPILATION_CACHE_DIR"] = ""
 
 import jax
 

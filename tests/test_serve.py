@@ -131,8 +131,10 @@ def test_metrics_present(server):
     for name in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting",
                  "time_to_first_token_seconds", "time_per_output_token_seconds", "prompt_tokens_total",
                  "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                 "prefix_cache_hits_total", "prefix_cache_blocks"):
+                 "prefix_cache_hits_total", "prefix_cache_blocks", "compilations_total",
+                 "step_compilations_after_ready_total"):
         assert f"dcpjax:{name}" in text
+    assert metric(server, "compilations") > 0  # the steps the requests before this one compiled
 
 
 def test_prefix_cache_hits_are_reported(client, server):

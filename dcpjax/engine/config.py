@@ -78,6 +78,7 @@ class EngineConfig:
     load_format: str
     generation_config: str
     max_logprobs: int
+    compilation_cache_dir: str | None  # "auto": compile_watch.default_compilation_cache_dir(); None or "": off
 
     def __post_init__(self) -> None:
         check_attention_backend(self.attention_backend)

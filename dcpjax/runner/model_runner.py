@@ -15,6 +15,7 @@ positions and sampling values are data: sequences grow inside a bucket without r
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 
 import jax
@@ -45,6 +46,8 @@ from dcpjax.sampling.verify import num_accepted, verify_drafts
 from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding.mesh import RULES
 
+logger = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, mesh: Mesh, graphdef: nnx.GraphDef,
@@ -66,6 +69,9 @@ class ModelRunner:
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
         self._step = self._compile_step()
+        self.step_shapes: set[tuple] = set()  # the compile keys dispatched so far
+        self.ready = False  # set by `mark_ready`: a new step shape after it is a compile a user waits for
+        self.steps_compiled_after_ready = 0
 
     def _empty_cache(self) -> KVPools:
         """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh."""
@@ -198,6 +204,7 @@ class ModelRunner:
             self.processor_state = logits_processors.install(self.processor_state, logits_processors.make_install(
                 admitted, self.max_num_seqs, self.cfg.vocab_size))
         state = self.processor_state if config.processors else None
+        self._note_shape((packed.shape, chunk, config, prompt_top, verify))
         output, accepted, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
             self._param_leaves, self.kv_caches, self.slot_tokens, state, packed, chunk=chunk, config=config,
             prompt_top=prompt_top, verify=verify)
@@ -207,6 +214,22 @@ class ModelRunner:
             if array is not None:
                 array.copy_to_host_async()
         return StepResult(rows, output, config, prompt_output, prompt_top, accepted)
+
+    def mark_ready(self) -> None:
+        """From now on a step shape not yet dispatched is a compile while requests wait: logged
+        as a warning and counted (`steps_compiled_after_ready`)."""
+        self.ready = True
+
+    def _note_shape(self, key: tuple) -> None:
+        if key in self.step_shapes:
+            return
+        self.step_shapes.add(key)
+        if self.ready:
+            self.steps_compiled_after_ready += 1
+            (packed_shape, chunk, config, prompt_top, verify) = key
+            logger.warning("compiling a step after ready (rows %d, chunk %d, packed %s, %s, prompt logprobs %s, "
+                           "verify %s): requests wait for it", packed_shape[0], chunk, packed_shape, config,
+                           prompt_top, verify)
 
     @property
     def compiled_step_count(self) -> int:

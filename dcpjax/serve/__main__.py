@@ -87,6 +87,7 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     """Process 0: the HTTP server over the engine, until SIGTERM/SIGINT (0) or an engine failure (1)."""
     import uvicorn
 
+    from dcpjax.runner.compile_watch import compile_watch
     from dcpjax.serve.api import build_app
     from dcpjax.serve.async_engine import AsyncEngine
     from dcpjax.serve.metrics import Metrics
@@ -105,6 +106,10 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = GracefulServer(config, engine, draining, args.shutdown_timeout)
     logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
+    watch = compile_watch()
+    logger.info("ready after %d XLA compiles (%.1f s; %d more loaded from the compilation cache %s)",
+                watch.compiled, watch.seconds, watch.loaded, llm.compilation_cache_dir or "(off)")
+    llm.runner.mark_ready()  # a step shape first seen from now on is logged and counted
     try:
         server.run()
     finally:

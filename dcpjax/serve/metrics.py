@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from dcpjax.runner.compile_watch import compile_watch
+
 
 class Metrics:
     def __init__(self, model_name: str):
@@ -42,6 +44,11 @@ class Metrics:
                                           "at each position of the drafts (0 = first).", [*labels, "position"],
                                           registry=self.registry)
         self._labels = labels
+        self.compilations = counter("compilations", "XLA compilations in this process (persistent-cache loads "
+                                    "not counted); after start-up there should be none.")
+        self.compilations_after_ready = counter("step_compilations_after_ready", "Step shapes first dispatched "
+                                                "after the server was ready (each one a compile requests wait for).")
+        self._compiles_counted = (0, 0)
         self._spec_counted: dict[str, int] = {}
 
     def update(self, engine) -> None:
@@ -53,6 +60,10 @@ class Metrics:
         self.prefix_cache_hits.inc(stats.hits - self._counted[1])
         self._counted = (stats.queries, stats.hits)
         self.cached_blocks.set(engine.num_cached_blocks)
+        compiled, after_ready = compile_watch().compiled, engine.runner.steps_compiled_after_ready
+        self.compilations.inc(compiled - self._compiles_counted[0])
+        self.compilations_after_ready.inc(after_ready - self._compiles_counted[1])
+        self._compiles_counted = (compiled, after_ready)
         spec = engine.spec_stats
         if spec is not None:
             counts = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
