@@ -54,6 +54,22 @@ def test_bench_throughput_breakdown():
     assert result["output_tokens"] == 32 and result["recompilations"] == 0 and result["identical_to_sync"]
     assert len(result["all_elapsed_s"]) == 2 and result["elapsed_s"] in result["all_elapsed_s"]
     assert result["timings"]["steps"] >= 8 and 0 <= result["device_idle"] <= 1
+    assert result["weight_bytes"] > 0 and result["read_bandwidth_GBps"] > 0 and "weight-read floor" not in out
+
+
+def test_weight_bytes_count_every_device_shard():
+    """Replicated parameters are read by every device, sharded ones once in all."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from dcpjax.bench.timing import host_weight_bytes
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    x = np.ones((8, 16), np.float32)
+    replicated = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
+    sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("tp")))
+    assert host_weight_bytes([replicated]) == 4 * x.nbytes and host_weight_bytes([sharded]) == x.nbytes
 
 
 def test_bench_throughput_with_speculation(tmp_path):

@@ -11,6 +11,10 @@ Reports output tokens/s, requests/s and a per-step breakdown of host work:
   wait       blocked on the device for a step's tokens
   process    reading tokens, detokenizing, stop checks, logprobs
 
+Beside the device step it prints the weight-read floor of a step: the bytes of every device's
+parameter shards over the host's read bandwidth, measured in the same run (numpy summing 512
+MiB on every core; fake CPU devices share that memory). A decode step cannot beat it.
+
 Device time per step comes from a synchronous pass of the same workload (each step read
 as soon as it is dispatched: dispatch + wait is the device's step); the asynchronous
 run's wall time minus it is host time the device did not hide (device idle).
@@ -135,6 +139,15 @@ def _sampling_ms(vocab: int, batch: int) -> float:
     return 1e3 * median_seconds(lambda: fn(logits), 20)
 
 
+def _weight_read_floor(llm) -> dict:
+    """The weight-read floor of one step (see the module docstring), measured now."""
+    from dcpjax.bench.timing import host_weight_bytes, read_bandwidth
+
+    weight_bytes, bandwidth = host_weight_bytes(llm.runner._param_leaves), read_bandwidth()
+    return dict(weight_bytes=weight_bytes, read_bandwidth_GBps=bandwidth / 1e9,
+                weight_read_floor_ms=1e3 * weight_bytes / bandwidth)
+
+
 def check_transformers(model: str) -> None:
     """Fail before any timing if the transformers baseline cannot run (missing extras, a
     built-in random model transformers does not have)."""
@@ -238,6 +251,7 @@ def run(args: argparse.Namespace) -> dict:
         output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
         sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
+        **_weight_read_floor(llm),
     )
     if main["spec_decode"] is not None:
         result.update(speculative_config=engine.speculative_config, spec_decode=main["spec_decode"],
@@ -281,10 +295,13 @@ def report(r: dict) -> str:
          f"{sum(per_step(k) for k in ('schedule', 'propose', 'prepare', 'dispatch', 'process')):.3f} |"),
         "",
         f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
+        (f"weight-read floor of a step: {r['weight_read_floor_ms']:.3f} ms ({r['weight_bytes'] / 1e6:,.1f} MB of "
+         f"parameters at {r['read_bandwidth_GBps']:.1f} GB/s, this host's read bandwidth measured now)"),
     ]
     if "device_s" in r:
         lines.append(
-            f"device step (synchronous pass): {1e3 * r['device_s'] / steps:.3f} ms; device idle (host time not hidden) "
+            f"device step (synchronous pass): {1e3 * r['device_s'] / steps:.3f} ms "
+            f"({r['weight_read_floor_ms'] / (1e3 * r['device_s'] / steps):.2f} of the floor); device idle (host time not hidden) "
             f"{100 * r['device_idle']:.1f}% of the async run; sync loop {r['sync_output_throughput']:,.0f} tokens/s; "
             f"async == sync tokens: {r['identical_to_sync']}")
     if "spec_decode" in r:

@@ -18,3 +18,29 @@ def median_seconds(fn: Callable[[], object], iters: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth(threads: int | None = None, mib: int = 512, iters: int = 5) -> float:
+    """Bytes/s this host reads: numpy summing a `mib` MiB float32 array split over `threads`
+    threads (default: every core; numpy's reductions release the GIL), best of `iters`."""
+    import concurrent.futures
+    import os
+
+    import numpy as np
+
+    threads = threads or os.cpu_count() or 1
+    data = np.ones(mib << 18, np.float32)
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(iters):
+            start = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - start)
+    return data.nbytes / best
+
+
+def host_weight_bytes(leaves) -> int:
+    """Bytes of every device's shards of `leaves` (the parameters): what one step reads in all,
+    which fake CPU devices read from one host's memory."""
+    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)
