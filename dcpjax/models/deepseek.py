@@ -23,7 +23,7 @@ from dcpjax.config import ParallelConfig
 from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.layers import GatedMLP, RMSNorm, param, routed_experts
+from dcpjax.models.layers import GatedMLP, RMSNorm, out_projection, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import reduce_model
@@ -91,7 +91,7 @@ class MLAttention(nnx.Module):
         out_latent, _ = dcp_attention(q_absorbed, kv.with_block_tables(batch.block_tables), batch.causal_bounds,
                                       ctx.pc, options)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
-        out = jnp.einsum("bthv,hve->bte", out, self.o_proj[...])
+        out = out_projection(out, self.o_proj[...])
         return reduce_model(out), kv
 
 

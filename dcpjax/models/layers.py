@@ -112,6 +112,19 @@ class LMHead(nnx.Module):
         return jnp.einsum("...e,ev->...v", x, self.weight[...], preferred_element_type=jnp.float32)
 
 
+def out_projection(out: jax.Array, o_proj: jax.Array) -> jax.Array:
+    """Attention output [B, T, heads, d] x o_proj [heads, d, hidden] -> [B, T, hidden] (this
+    device's partial sum over its heads).
+
+    As one 2-D matmul over (heads * d): contracting the two axes separately let XLA:CPU pick the
+    attention output's (d, heads) layout and transpose the weight to it, a copy of o_proj at
+    every step of every layer (a fifth of SmolLM2's decode step); flattened, it copies the
+    small activation instead, if anything.
+    """
+    flat = out.reshape(*out.shape[:-2], -1)
+    return flat @ o_proj.reshape(-1, o_proj.shape[-1])
+
+
 def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
     """[..., padded vocab / TP] shards -> full [..., vocab_size] logits; the padding dropped."""
     full = gather_model(local_logits, axis=local_logits.ndim - 1)

@@ -20,7 +20,7 @@ from dcpjax.config import ParallelConfig
 from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, param
+from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, out_projection, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import kv_head_slots, reduce_model
@@ -64,7 +64,7 @@ class LlamaAttention(nnx.Module):
         kv = kv.write(flat(k), flat(v), batch.slots)
         options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
         out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options)
-        out = jnp.einsum("bthd,hde->bte", out.astype(x.dtype), self.o_proj[...])
+        out = out_projection(out.astype(x.dtype), self.o_proj[...])
         return reduce_model(out), kv
 
 
