@@ -18,6 +18,7 @@ from dcpjax.runner.compile_watch import (
     compile_watch,
     default_compilation_cache_dir,
     resolve_compilation_cache_dir,
+    use_compilation_cache,
 )
 
 START = """
@@ -79,6 +80,14 @@ def test_the_cache_folder_setting(monkeypatch, tmp_path):
     for off in (None, "", "none", "None"):
         assert resolve_compilation_cache_dir(off) is None
     assert resolve_compilation_cache_dir("~/x").endswith("/x") and "~" not in resolve_compilation_cache_dir("~/x")
+
+
+def test_an_unwritable_cache_folder_is_a_warning_not_a_failure(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="dcpjax.runner.compile_watch"):
+        assert use_compilation_cache(str(blocker / "cache")) is None
+    assert "no compilation cache" in caplog.text and jax.config.jax_compilation_cache_dir in (None, "")
 
 
 @pytest.mark.parametrize("flag, value", [(["--compilation-cache-dir", "none"], "none"), ([], "auto")])

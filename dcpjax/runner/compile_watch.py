@@ -98,7 +98,11 @@ def use_compilation_cache(path: str | None) -> str | None:
     if current and current != path:
         logger.warning("JAX's compilation cache is already %s; keeping it (asked for %s)", current, path)
         return current
-    pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    try:
+        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # a read-only home, say: start anyway, every start compiles
+        logger.warning("no compilation cache (%s): pass compilation_cache_dir= a writable folder, or 'none'", error)
+        return None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
