@@ -152,7 +152,8 @@ class EngineArgs:
                              check=_at_least(0))
     compilation_cache_dir: str | None = _arg(
         "auto", "JAX's persistent compilation cache folder, so a second start loads its steps instead of compiling "
-        "them: 'auto' ($DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or 'none' (off)", kind=str)
+        "them: 'auto' ($DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or 'none' (dcpjax sets "
+        "none: JAX's own jax_compilation_cache_dir stands)", kind=str)
     enforce_eager: bool = _arg(False, "accepted for vLLM's command lines: dcpjax has no CUDA graphs, every step is "
                                "a jit-compiled XLA program either way", kind=bool)
     trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: dcpjax runs no code from model "

@@ -66,7 +66,7 @@ def test_a_step_shape_first_seen_after_ready_is_logged_and_counted(caplog):
         assert llm.runner.steps_compiled_after_ready == 0 and not caplog.records
         llm.generate(["one", "two", "three"], greedy)  # 3 rows: a new row bucket
     assert llm.runner.steps_compiled_after_ready >= 1
-    assert "compiling a step after ready (rows 4" in caplog.text
+    assert "compiled a step after ready (rows 4" in caplog.text
 
 
 def test_the_cache_folder_setting(monkeypatch, tmp_path):

@@ -56,9 +56,9 @@ def _sweep_rows(outputs: str) -> list[dict]:
 
 @pytest.mark.e2e
 def test_quickstart_runs_top_to_bottom(monkeypatch, tmp_path):
-    # the notebook sets up its own devices
+    flags = env_without_forced_device_count().get("XLA_FLAGS")  # the notebook sets up its own devices
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    if flags := env_without_forced_device_count().get("XLA_FLAGS"):
+    if flags:
         monkeypatch.setenv("XLA_FLAGS", flags)
     notebook = nbformat.read(NOTEBOOK, as_version=4)
     # run where neither configs/ nor ../configs exists: the deployments come from the package

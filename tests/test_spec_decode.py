@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dcpjax import LLM, SamplingParams
+from dcpjax.engine.requests import RequestError
 from dcpjax.engine_args import EngineArgs
 from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
 from dcpjax.sampling.verify import verify_drafts
@@ -205,6 +206,11 @@ def test_seeded_sampling_equals_plain_decoding_and_metrics_count():
     assert value("dcpjax:spec_decode_num_accepted_tokens_per_pos_total", position="0") == stats.accepted_per_position[0]
     metrics.update(llm.engine)  # counted once
     assert value("dcpjax:spec_decode_num_drafts_total") == stats.num_drafts
+    for field, value in [("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("logit_bias", {5: 1.0}),
+                         ("allowed_token_ids", [5, 6]), ("min_tokens", 2)]:
+        with pytest.raises(RequestError, match="not supported with speculative decoding") as refused:
+            llm.generate("hi", SamplingParams(max_tokens=4, **{field: value}))
+        assert refused.value.param == field  # the request's field, the 400's param
 
 
 def test_preemption_and_aborts_with_speculation_free_every_block():

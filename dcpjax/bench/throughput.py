@@ -140,9 +140,12 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 
 
 def _weight_read_floor(llm) -> dict:
-    """The weight-read floor of one step (see the module docstring), measured now."""
+    """The weight-read floor of one step (see the module docstring), measured now; on CPU only
+    (an accelerator reads its weights from its own memory, not the host's)."""
     from dcpjax.bench.timing import host_weight_bytes, read_bandwidth
 
+    if llm.mesh.devices.flat[0].platform != "cpu":
+        return {}
     weight_bytes, bandwidth = host_weight_bytes(llm.runner._param_leaves), read_bandwidth()
     return dict(weight_bytes=weight_bytes, read_bandwidth_GBps=bandwidth / 1e9,
                 weight_read_floor_ms=1e3 * weight_bytes / bandwidth)
@@ -295,13 +298,15 @@ def report(r: dict) -> str:
          f"{sum(per_step(k) for k in ('schedule', 'propose', 'prepare', 'dispatch', 'process')):.3f} |"),
         "",
         f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
-        (f"weight-read floor of a step: {r['weight_read_floor_ms']:.3f} ms ({r['weight_bytes'] / 1e6:,.1f} MB of "
-         f"parameters at {r['read_bandwidth_GBps']:.1f} GB/s, this host's read bandwidth measured now)"),
     ]
+    if "weight_read_floor_ms" in r:
+        lines.append(f"weight-read floor of a step: {r['weight_read_floor_ms']:.3f} ms ({r['weight_bytes'] / 1e6:,.1f} MB "
+                     f"of parameters at {r['read_bandwidth_GBps']:.1f} GB/s, this host's read bandwidth measured now)")
     if "device_s" in r:
+        step_ms = 1e3 * r["device_s"] / steps
+        at_floor = f" (floor / step = {r['weight_read_floor_ms'] / step_ms:.2f})" if "weight_read_floor_ms" in r else ""
         lines.append(
-            f"device step (synchronous pass): {1e3 * r['device_s'] / steps:.3f} ms "
-            f"({r['weight_read_floor_ms'] / (1e3 * r['device_s'] / steps):.2f} of the floor); device idle (host time not hidden) "
+            f"device step (synchronous pass): {step_ms:.3f} ms{at_floor}; device idle (host time not hidden) "
             f"{100 * r['device_idle']:.1f}% of the async run; sync loop {r['sync_output_throughput']:,.0f} tokens/s; "
             f"async == sync tokens: {r['identical_to_sync']}")
     if "spec_decode" in r:

@@ -106,11 +106,15 @@ class RequestBuilder:
         if params.bad_words and self.tokenizer is None:
             raise RequestError("SamplingParams.bad_words needs a tokenizer; this model has none (pass tokenizer=)",
                                "bad_words")
-        if self.speculative and (params.penalised or params.logit_bias or params.allowed_token_ids is not None
-                                 or params.bad_words or params.min_tokens):
+        edits = {"presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                 "repetition_penalty": params.repetition_penalty != 1, "logit_bias": params.logit_bias,
+                 "allowed_token_ids": params.allowed_token_ids is not None, "bad_words": params.bad_words,
+                 "min_tokens": params.min_tokens}
+        if self.speculative and any(edits.values()):
             raise RequestError("penalties, logit_bias, allowed_token_ids, bad_words and min_tokens are not "
                                "supported with speculative decoding (drafts are verified against unedited logits): "
-                               "drop them, or start without speculative_config", "speculative_config")
+                               "drop them, or start without speculative_config",
+                               next(field for field, used in edits.items() if used))
 
     def _bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's tokens, alone and after a space (how it appears mid-text), as vLLM bans them."""

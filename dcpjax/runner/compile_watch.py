@@ -30,7 +30,8 @@ CACHE_DIR_ENV = "DCPJAX_COMPILATION_CACHE_DIR"  # "" turns the cache off (the te
 @dataclasses.dataclass
 class CompileWatch:
     """Executables JAX built in this process (every jit, not only steps): `built` in all,
-    `loaded` of them from the persistent cache, `seconds` spent building them."""
+    `loaded` of them from the persistent cache, `seconds` spent building them (compiling or
+    loading)."""
 
     built: int = 0
     loaded: int = 0
@@ -38,11 +39,15 @@ class CompileWatch:
 
     def __post_init__(self):
         self._lock = threading.Lock()
+        self._compiled = 0
 
     @property
     def compiled(self) -> int:
-        """Executables XLA compiled (not loaded from the cache)."""
-        return self.built - self.loaded
+        """Executables XLA compiled (not loaded from the cache). JAX reports a load's cache hit
+        before its build, so in between the difference may dip by one: never below what it was."""
+        with self._lock:
+            self._compiled = max(self._compiled, self.built - self.loaded)
+            return self._compiled
 
     def _on_duration(self, event: str, duration: float, **_) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -57,15 +62,17 @@ class CompileWatch:
 
 
 _WATCH: CompileWatch | None = None
+_WATCH_LOCK = threading.Lock()
 
 
 def compile_watch() -> CompileWatch:
     """The process's one CompileWatch (registered with jax.monitoring on first use)."""
     global _WATCH
-    if _WATCH is None:
-        _WATCH = CompileWatch()
-        jax.monitoring.register_event_duration_secs_listener(_WATCH._on_duration)
-        jax.monitoring.register_event_listener(_WATCH._on_event)
+    with _WATCH_LOCK:
+        if _WATCH is None:
+            _WATCH = CompileWatch()
+            jax.monitoring.register_event_duration_secs_listener(_WATCH._on_duration)
+            jax.monitoring.register_event_listener(_WATCH._on_event)
     return _WATCH
 
 

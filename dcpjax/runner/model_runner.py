@@ -30,6 +30,7 @@ from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import param_specs
 from dcpjax.runner import step_input
+from dcpjax.runner.compile_watch import compile_watch
 from dcpjax.runner.kv_layout import KVCacheLayout
 from dcpjax.runner.step_output import StepResult, as_bits, pack_logprobs
 from dcpjax.sampling import (
@@ -70,7 +71,7 @@ class ModelRunner:
         self._param_leaves = tuple(leaves)
         self._step = self._compile_step()
         self.step_shapes: set[tuple] = set()  # the compile keys dispatched so far
-        self.ready = False  # set by `mark_ready`: a new step shape after it is a compile a user waits for
+        self.ready = False  # set by `mark_ready`: a step compiled after it is a compile a user waits for
         self.steps_compiled_after_ready = 0
 
     def _empty_cache(self) -> KVPools:
@@ -204,10 +205,15 @@ class ModelRunner:
             self.processor_state = logits_processors.install(self.processor_state, logits_processors.make_install(
                 admitted, self.max_num_seqs, self.cfg.vocab_size))
         state = self.processor_state if config.processors else None
-        self._note_shape((packed.shape, chunk, config, prompt_top, verify))
+        key = (packed.shape, chunk, config, prompt_top, verify)
+        watched = self.ready and key not in self.step_shapes  # a new shape after ready: did it compile?
+        self.step_shapes.add(key)
+        compiled_before = compile_watch().compiled if watched else 0
         output, accepted, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
             self._param_leaves, self.kv_caches, self.slot_tokens, state, packed, chunk=chunk, config=config,
-            prompt_top=prompt_top, verify=verify)
+            prompt_top=prompt_top, verify=verify)  # jit compiles (or loads) a new shape here, before dispatch
+        if watched and compile_watch().compiled > compiled_before:
+            self._compiled_after_ready(key)
         if config.processors:
             self.processor_state = state
         for array in (output, accepted, prompt_output):
@@ -216,20 +222,16 @@ class ModelRunner:
         return StepResult(rows, output, config, prompt_output, prompt_top, accepted)
 
     def mark_ready(self) -> None:
-        """From now on a step shape not yet dispatched is a compile while requests wait: logged
-        as a warning and counted (`steps_compiled_after_ready`)."""
+        """From now on a step shape that XLA compiles (not one loaded from the persistent cache)
+        is a compile while requests wait: logged as a warning and counted (`steps_compiled_after_ready`)."""
         self.ready = True
 
-    def _note_shape(self, key: tuple) -> None:
-        if key in self.step_shapes:
-            return
-        self.step_shapes.add(key)
-        if self.ready:
-            self.steps_compiled_after_ready += 1
-            (packed_shape, chunk, config, prompt_top, verify) = key
-            logger.warning("compiling a step after ready (rows %d, chunk %d, packed %s, %s, prompt logprobs %s, "
-                           "verify %s): requests wait for it", packed_shape[0], chunk, packed_shape, config,
-                           prompt_top, verify)
+    def _compiled_after_ready(self, key: tuple) -> None:
+        self.steps_compiled_after_ready += 1
+        packed_shape, chunk, config, prompt_top, verify = key
+        logger.warning("compiled a step after ready (rows %d, chunk %d, packed %s, %s, prompt logprobs %s, "
+                       "verify %s): requests waited for it", packed_shape[0], chunk, packed_shape, config,
+                       prompt_top, verify)
 
     @property
     def compiled_step_count(self) -> int:

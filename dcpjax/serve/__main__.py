@@ -107,8 +107,8 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     server = GracefulServer(config, engine, draining, args.shutdown_timeout)
     logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
     watch = compile_watch()
-    logger.info("ready after %d XLA compiles (%.1f s; %d more loaded from the compilation cache %s)",
-                watch.compiled, watch.seconds, watch.loaded, llm.compilation_cache_dir or "(off)")
+    logger.info("ready after %d XLA compiles and %d loads from the compilation cache %s (%.1f s building them)",
+                watch.compiled, watch.loaded, llm.compilation_cache_dir or "(off)", watch.seconds)
     llm.runner.mark_ready()  # a step shape first seen from now on is logged and counted
     try:
         server.run()

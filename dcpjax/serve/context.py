@@ -82,16 +82,18 @@ class ServerContext:
         except ValueError as err:
             raise APIError(400, str(err), param=_field_of(str(err))) from err
 
-    def sequences(self, ids: list[int], text: str | None, params: SamplingParams,
-                  param: str = "prompt") -> list[Sequence]:
+    def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt",
+                  index: int = 0) -> list[Sequence]:
         """The engine sequences of a prompt's n (or best_of) choices, built by the LLM's own request
         checks (`engine.requests`): what it refuses is a 400 naming the field (`param` for the prompt:
-        "prompt", or "messages" for a chat)."""
+        "prompt", or "messages" for a chat; `index`: the prompt's place in a list of prompts)."""
         try:
-            return self.llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params,
+            return self.llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params, index,
                                            request_id=f"cmpl-{uuid.uuid4().hex}")
         except RequestError as err:
             raise APIError(400, str(err), param=param if err.param == "prompt" else err.param, code=err.code) from err
+        except ValueError as err:  # a check that raised a plain ValueError: still the request's fault
+            raise APIError(400, str(err), param=_field_of(str(err)) or param) from err
 
     def encode(self, text: str, **kwargs) -> list[int]:
         if self.llm.tokenizer is None:

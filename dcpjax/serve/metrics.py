@@ -45,9 +45,10 @@ class Metrics:
                                           registry=self.registry)
         self._labels = labels
         self.compilations = counter("compilations", "XLA compilations in this process (persistent-cache loads "
-                                    "not counted); after start-up there should be none.")
-        self.compilations_after_ready = counter("step_compilations_after_ready", "Step shapes first dispatched "
-                                                "after the server was ready (each one a compile requests wait for).")
+                                    "not counted).")
+        self.compilations_after_ready = counter("step_compilations_after_ready", "Steps XLA compiled after the "
+                                                "server was ready: requests waited for each (until every step "
+                                                "shape is precompiled, each shape's first use).")
         self._compiles_counted = (0, 0)
         self._spec_counted: dict[str, int] = {}
 
@@ -61,7 +62,7 @@ class Metrics:
         self._counted = (stats.queries, stats.hits)
         self.cached_blocks.set(engine.num_cached_blocks)
         compiled, after_ready = compile_watch().compiled, engine.runner.steps_compiled_after_ready
-        self.compilations.inc(compiled - self._compiles_counted[0])
+        self.compilations.inc(compiled - self._compiles_counted[0])  # never decreases (CompileWatch.compiled)
         self.compilations_after_ready.inc(after_ready - self._compiles_counted[1])
         self._compiles_counted = (compiled, after_ready)
         spec = engine.spec_stats

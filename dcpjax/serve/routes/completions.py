@@ -97,7 +97,7 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
         if prompt_top is not None and body.prompt_logprobs is not None:
             prompt_top = max(prompt_top, body.prompt_logprobs)
         params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
-        groups = [server.sequences(ids, text, params) for ids, text in prompts]  # each prompt's draws
+        groups = [server.sequences(ids, text, params, index=i) for i, (ids, text) in enumerate(prompts)]
         seqs = [seq for group in groups for seq in group]
         head = {"id": prompt_key(seqs[0]), "object": "text_completion", "model": server.model}
         builders = [_Choices(server, body, ids, text) for ids, text in prompts]
