@@ -40,11 +40,11 @@ def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int, max
     times = []
     original = runner.launch
 
-    def timed_launch(rows, packed, chunk, *args):  # time decode steps (one token per sequence)
+    def timed_launch(call):  # time decode steps (one token per sequence)
         start = time.perf_counter()
-        result = original(rows, packed, chunk, *args)
+        result = original(call)
         result.output.block_until_ready()
-        if chunk == 1:
+        if call.shape.kind == "decode":
             times.append(time.perf_counter() - start)
         return result
 

@@ -154,8 +154,9 @@ class EngineArgs:
         "auto", "JAX's persistent compilation cache folder, so a second start loads its steps instead of compiling "
         "them: 'auto' ($DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or 'none' (dcpjax sets "
         "none: JAX's own jax_compilation_cache_dir stands)", kind=str)
-    enforce_eager: bool = _arg(False, "accepted for vLLM's command lines: dcpjax has no CUDA graphs, every step is "
-                               "a jit-compiled XLA program either way", kind=bool)
+    enforce_eager: bool | None = _arg(None, "skip the start-up precompile of every step shape the configuration can "
+                                      "dispatch (then a shape compiles when first met, while requests wait)",
+                                      kind=bool, default_help="on CPU only")
     trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: dcpjax runs no code from model "
                                    "folders (its own implementations of the supported architectures)", kind=bool)
     num_cpu_devices: int = _arg(0, "fake this many CPU devices (0: real devices)", check=_at_least(0), llm=False)
@@ -247,7 +248,7 @@ class EngineArgs:
         """These arguments as one checked `EngineConfig` (raises ValueError naming a broken rule)."""
         values = self.llm_kwargs()
         for name in ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "dcp_comm_backend", "speculative_config", "enforce_eager", "trust_remote_code"):
+                     "dcp_comm_backend", "speculative_config", "trust_remote_code"):
             del values[name]  # grouped below, or accepted only for vLLM's command lines
         return EngineConfig(parallel=self.parallel_config(),
                             speculative=SpeculativeConfig.from_dict(self.speculative_config), **values)

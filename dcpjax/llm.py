@@ -15,16 +15,20 @@ from dcpjax.config import ParallelConfig
 from dcpjax.engine.config import EngineConfig
 from dcpjax.engine.core import Engine, Sequence
 from dcpjax.engine.requests import RequestBuilder, request_output
+from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
+from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
 from dcpjax.loader.checkpoint import restore_state, save_state
 from dcpjax.loader.model_source import generation_defaults, model_source
 from dcpjax.loader.weights import ignored_checkpoint_tensor, load_state, model_rules
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import build_model
 from dcpjax.outputs import RequestOutput
+from dcpjax.runner import precompile
 from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
 from dcpjax.runner.kv_budget import kv_bytes_per_device
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.runner.model_runner import ModelRunner
+from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sharding import layout
 from dcpjax.sharding.mesh import make_mesh
@@ -99,9 +103,12 @@ class LLM:
         model and configuration loads its steps instead of compiling them: "auto" (default:
         $DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or None / "" (off:
         JAX's own setting stands).
-      enforce_eager, trust_remote_code: accepted for vLLM's command lines; neither changes
-        anything here (dcpjax has no CUDA graphs to skip, and runs no code from model folders:
-        its own implementations of the supported architectures).
+      enforce_eager: skip the start-up precompile (vLLM's flag). False: compile every step shape
+        the configuration can dispatch before the first generate, so that no request waits for XLA
+        (`dcpjax.runner.precompile`); True: a shape compiles when first met. None (default): False
+        on GPU / TPU, True on CPU, where a shape takes seconds and a configuration has hundreds.
+      trust_remote_code: accepted for vLLM's command lines; dcpjax runs no code from model folders
+        (its own implementations of the supported architectures).
     """
 
     def __init__(
@@ -131,10 +138,10 @@ class LLM:
         generation_config: str = "auto",
         max_logprobs: int = MAX_LOGPROBS,
         compilation_cache_dir: str | None = "auto",
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         trust_remote_code: bool = False,
     ):
-        del enforce_eager, trust_remote_code  # accepted for vLLM's command lines (see the docstring)
+        del trust_remote_code  # accepted for vLLM's command lines (see the docstring)
         parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
                                   dcp_comm_backend)
         config = EngineConfig(
@@ -146,7 +153,7 @@ class LLM:
             orbax_checkpoint=orbax_checkpoint, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig.from_dict(speculative_config), load_format=load_format,
             generation_config=generation_config, max_logprobs=max_logprobs,
-            compilation_cache_dir=compilation_cache_dir)
+            compilation_cache_dir=compilation_cache_dir, enforce_eager=enforce_eager)
         self._load(config, devices)
 
     @classmethod
@@ -173,13 +180,30 @@ class LLM:
         draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         graphdef, state = self._load_weights(self.model_config, source.weights, config.orbax_checkpoint)
         kv = self._size_kv_cache(cache_dtype, draft)
-        self.runner = ModelRunner(self.model_config, config.parallel, self.mesh, graphdef, state, kv,
-                                  config.attention_backend, config.max_num_seqs,
-                                  num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
-        proposer = self._proposer(spec, draft, kv) if spec is not None else None
         self.scheduler_config = config.scheduler_config(self.max_model_len)
+        self.shape_grid = self._shape_grid(kv)
+        logger.info("model call shapes: %s", self.shape_grid.describe())
+        self.runner = ModelRunner(self.model_config, config.parallel, self.mesh, graphdef, state, kv, self.shape_grid,
+                                  config.attention_backend, config.max_num_seqs, max_logprobs=config.max_logprobs)
+        proposer = self._proposer(spec, draft, kv) if spec is not None else None
         self._start_engine(kv, proposer)
         self._chat_templates: dict[str | None, ChatTemplate] = {}
+        self.precompile_seconds: float | None = None  # None: eager, shapes compile when first met
+        if not config.skips_precompile(self.mesh.devices.flat[0].platform):
+            self.precompile_seconds = precompile.precompile_engine(self.runner, getattr(proposer, "runner", None))
+            self.runner.mark_ready()  # a shape compiled from now on is logged and counted
+
+    def _shape_grid(self, kv) -> ShapeGrid:
+        """The shapes model calls take (`dcpjax.runner.shape_grid`) under this configuration."""
+        config, pc = self.scheduler_config, self.parallel_config
+        options = AttentionOptions(backend=self.config.attention_backend, platform=self.mesh.devices.flat[0].platform)
+        spec = self.speculative_config
+        return ShapeGrid.build(
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            prompt_logprobs_tokens=PROMPT_LOGPROBS_TOKENS,
+            blocks_per_seq=layout.blocks_needed(self.max_model_len, config.block_size, pc.dcp),
+            block_size=config.block_size, dcp=pc.dcp, whole_table=reads_only_visible_pages(options, kv.block_size),
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
 
     def _start_engine(self, kv, proposer) -> None:
         """The engine over the runner, and the request builder in front of it."""
@@ -199,7 +223,7 @@ class LLM:
         logger.info("speculative decoding: %s, %d tokens per step (steps run synchronously)", spec.method, k)
         if draft is None:
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        return draft.proposer(k, self.parallel_config, self.mesh, kv, self.config.attention_backend,
+        return draft.proposer(k, self.parallel_config, self.mesh, kv, self.shape_grid, self.config.attention_backend,
                               self.config.max_num_seqs)
 
     def _load_draft(self, spec: SpeculativeConfig) -> DraftModel:

@@ -61,12 +61,13 @@ def test_a_step_shape_first_seen_after_ready_is_logged_and_counted(caplog):
     greedy = SamplingParams(max_tokens=3, temperature=0)
     llm.generate("warm up", greedy)
     llm.runner.mark_ready()
+    llm.runner.precompiled = True  # as after a precompile: a compile now is one that escaped it
     with caplog.at_level(logging.WARNING, logger="dcpjax.runner.model_runner"):
         llm.generate("warm up", greedy)  # the same shapes: nothing new
         assert llm.runner.steps_compiled_after_ready == 0 and not caplog.records
         llm.generate(["one", "two", "three"], greedy)  # 3 rows: a new row bucket
     assert llm.runner.steps_compiled_after_ready >= 1
-    assert "compiled a step after ready (rows 4" in caplog.text
+    assert "compiled a decode call of 4 rows x 1 token" in caplog.text
 
 
 def test_the_cache_folder_setting(monkeypatch, tmp_path):

@@ -22,7 +22,8 @@ LAYOUTS = {
     "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
 }
 CHUNK_IMPLS = {
-    "reference": lambda q, kv, n, sm_scale=None: attention(q, kv, n, AttentionOptions(sm_scale, "reference")),
+    "reference": lambda q, kv, n, sm_scale=None, starts=None: attention(q, kv, n, AttentionOptions(sm_scale, "reference"),
+                                                                        starts),
     "pallas": attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
     "pallas_tpu": lambda *a, **kw: attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
 }
@@ -256,6 +257,26 @@ def test_chunk_form_gives_each_query_its_own_causal_bound(layout, impl, paged):
     want = attention_f64(chunk.reshape(15, *q.shape[1:]), np.repeat(k, 5, axis=0), np.repeat(values, 5, axis=0),
                          lengths.reshape(-1))
     assert_close_to_oracle(np.asarray(out).reshape(15, *out.shape[2:]), np.asarray(lse).reshape(15, -1), *want, atol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("impl", list(CHUNK_IMPLS))
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_starts_give_each_query_of_a_packed_row_its_own_sequence(layout, impl, paged):
+    """A packed row: three sequences' KV back to back in one row's pages ([0, 16), [16, 24),
+    [24, 40)); each query sees only its own sequence's tokens, [start, bound), and a padding
+    query nothing. Each query checked against the oracle over its own sequence alone."""
+    q, k, v, _, dv = make_inputs(layout, batch=1, seq=40)
+    values = k[..., :dv] if v is None else v
+    chunk = np.random.default_rng(6).standard_normal((1, 8, *q.shape[1:])).astype(np.float32)
+    starts = np.array([[0, 0, 0, 16, 16, 24, 24, 0]], np.int32)
+    bounds = np.array([[14, 15, 16, 21, 24, 34, 40, 0]], np.int32)
+    out, lse = CHUNK_IMPLS[impl](jnp.asarray(chunk), make_kv(k, v, dv, paged), jnp.asarray(bounds),
+                                 starts=jnp.asarray(starts))
+    for t in range(8):
+        s, b = starts[0, t], bounds[0, t]
+        want = attention_f64(chunk[:, t], k[:, s:], values[:, s:], np.array([b - s]))
+        assert_close_to_oracle(np.asarray(out)[:, t], np.asarray(lse)[:, t], *want, atol=2e-5)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "pallas_tpu"])

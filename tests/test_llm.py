@@ -9,6 +9,7 @@ from dcpjax.engine.output_processor import OutputProcessor
 from dcpjax.loader.weights import DictSource, load_state, model_rules, random_checkpoint
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.models.registry import build_model
+from dcpjax.runner.step_input import CallShape
 from dcpjax.sequence import Sequence
 from dcpjax.tokenizer import ByteTokenizer
 
@@ -50,33 +51,27 @@ def test_outputs_look_like_vllm():
     assert completion.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
 
 
-def test_compiled_step_shapes_stay_fixed_as_sequences_grow():
-    """Compile keys are rows and chunk (powers of two) and block-table width (`width_bucket`):
-    sequences grow inside a width bucket without recompiling, and each bucket they reach adds one."""
-    llm = make(enable_prefix_caching=False)  # block_size 16, DCP 1; repeated prompts compute in full
+def test_calls_stay_on_the_shape_grid_as_sequences_grow():
+    """A call's compile key is its point on the shape grid (rows or tokens, block-table width):
+    sequences grow inside a width without recompiling, and each width they reach adds one shape."""
+    llm = make(enable_prefix_caching=False)  # blocks of 16 tokens, DCP 1; repeated prompts compute in full
+    grid, runner = llm.shape_grid, llm.runner
+    assert grid.widths == (8, 16, 32) and grid.rows == (1, 2, 4, 8, 16, 32, 64)
     llm.generate(["a" * 10, "b" * 40], SamplingParams(temperature=0, max_tokens=5))
-    compiled = llm.runner.compiled_step_count
-    assert compiled == 2  # one prefill shape, one decode shape (2 rows, 4 blocks)
+    shapes = set(runner.seen)
+    # one packed prefill of both prompts, one decode of 2 rows; greedy: the model's argmax, no sampler call
+    assert shapes == {CallShape("prefill", 1, 64, 8, 64), CallShape("decode", 2, 1, 8, 2)}
     # longer outputs inside the same buckets: positions and lengths are data, not compile keys
     llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=15, ignore_eos=True))
-    assert llm.runner.compiled_step_count == compiled
-    # 46 + 100 tokens need 10 blocks: decode widths 8 and 12 join, once
+    assert runner.seen == shapes
+    # 46 + 100 tokens need 10 blocks: decode width 16 joins, once
     for _ in range(2):
         llm.generate(["c" * 12, "d" * 45], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
-        assert llm.runner.compiled_step_count == compiled + 2
-    # any mix stays within the buckets: rows in {1, 2, 4, 8}, chunk in {1, ..., 64}, width in {1, 2, 4, 8, 12, ...}
-    llm.generate(["e" * n for n in (3, 30, 61, 7, 19)], SamplingParams(temperature=0, max_tokens=9))
-    assert llm.runner.compiled_step_count <= 4 * 7 * 8
-
-
-def test_width_buckets_read_less_than_one_and_a_half_times_what_rows_hold():
-    from dcpjax.runner.step_input import width_bucket
-
-    assert [width_bucket(n) for n in (1, 2, 3, 5, 8, 9, 12, 13, 17, 24, 25, 33, 49, 97)] == [
-        1, 2, 4, 8, 8, 12, 12, 16, 24, 24, 32, 48, 64, 128]
-    for pages in range(9, 5000):
-        bucket = width_bucket(pages)
-        assert pages <= bucket < 1.5 * pages, pages
+        assert runner.seen - shapes == {CallShape("decode", 2, 1, 16, 2)}
+    # any mix stays on the grid, each shape compiled once
+    llm.generate(["e" * n for n in (3, 30, 61, 7, 19)], SamplingParams(temperature=0.5, max_tokens=9))
+    assert runner.seen <= set(grid.call_shapes()) | set(grid.sampler_shapes())
+    assert runner.compiled_step_count == len(runner.seen)
 
 
 def test_sampling_controls():

@@ -5,7 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dcpjax.sampling import SamplerConfig, SamplingParams, SamplingRows, sample, sampler_config
+from dcpjax.sampling import (
+    GREEDY,
+    MIN_CANDIDATES,
+    SamplerConfig,
+    SamplingParams,
+    SamplingRows,
+    full_config,
+    sample,
+    sampler_config,
+)
 from dcpjax.sampling.sampler import _gumbel_from_bits
 
 VOCAB = 3000
@@ -82,15 +91,55 @@ def test_logprobs_only_when_asked_and_match_log_softmax():
     assert int(out.ranks[0]) == 1
 
 
-def test_sampler_config_is_a_small_static_key():
+def test_sampler_config_is_one_of_two_static_keys():
+    """A step compiles GREEDY or the full config whatever mix of requests it has (two variants to
+    precompile); the full one's candidates and top logprobs are fixed, not bucketed to the rows."""
     greedy = SamplingParams(temperature=0)
-    assert sampler_config([greedy, greedy], VOCAB) == SamplerConfig(True, 0, None)
-    assert sampler_config([greedy, SamplingParams(temperature=1.0)], VOCAB) == SamplerConfig(False, 0, None)
-    assert sampler_config([SamplingParams(top_k=50)], VOCAB).candidates == 64
-    assert sampler_config([SamplingParams(top_p=0.9), SamplingParams(top_k=300)], VOCAB).candidates == 512
-    assert sampler_config([SamplingParams(top_k=5000)], VOCAB).candidates == VOCAB
-    assert sampler_config([SamplingParams(logprobs=3), greedy], VOCAB).num_top == 4
-    assert sampler_config([SamplingParams(temperature=0, top_k=5)], VOCAB).candidates == 0  # greedy ignores top_k
+    full = full_config(VOCAB, max_logprobs=20)
+    assert sampler_config([greedy, greedy], VOCAB) == GREEDY == SamplerConfig(True, 0, None, False)
+    assert sampler_config([SamplingParams(temperature=0, prompt_logprobs=2)], VOCAB) == GREEDY  # its own call
+    assert sampler_config([greedy, greedy], VOCAB, processors=True) == full
+    assert full == SamplerConfig(False, MIN_CANDIDATES, 20, True)
+    for params in ([greedy, SamplingParams(temperature=1.0)], [SamplingParams(top_k=50)],
+                   [SamplingParams(top_p=0.9), SamplingParams(top_k=300)], [SamplingParams(top_k=5000)],
+                   [SamplingParams(logprobs=3), greedy]):
+        assert sampler_config(params, VOCAB) == full
+    assert full_config(100, max_logprobs=20) == SamplerConfig(False, 100, 20, True)  # both capped at the vocabulary
+    assert full_config(VOCAB, max_logprobs=0).num_top == 1
+
+
+# rows whose top_k reaches past 64 candidates: alone, with a top_p that closes early, on a flat row
+WIDE = dict(temperature=[1.0, 0.9, 1.0, 0.0, 1.2, 1.0], top_k=[300, 300, 2000, 300, 65, 64],
+            top_p=[1, 0.5, 0.95, 1, 1, 0.9], min_p=[0, 0, 0, 0, 0.05, 0])
+
+
+def test_a_top_k_wider_than_the_candidates_is_drawn_over_the_whole_vocabulary():
+    logits = make_logits(4, flat_rows=(2,))
+    draws = {r: set() for r in range(6)}
+    for counter in range(40):
+        rows = rows_of(**WIDE, seeds=[13] * 6, counters=[counter] * 6)
+        fast = np.asarray(sample(jnp.asarray(logits), rows, SamplerConfig(False, 64, None)).tokens)
+        full = np.asarray(sample(jnp.asarray(logits), rows, SamplerConfig(False, VOCAB, None)).tokens)
+        np.testing.assert_array_equal(fast, full)
+        for r, t in enumerate(fast):
+            draws[r].add(int(t))
+    for r in (0, 1, 2, 4, 5):
+        oracle = kept_set(logits[r], WIDE["temperature"][r], WIDE["top_k"][r], WIDE["top_p"][r], WIDE["min_p"][r])
+        assert draws[r] <= oracle and len(draws[r]) > 1, r
+    rank = np.argsort(np.argsort(-logits[2]))  # the flat row: its draws reach far past the 64 candidates
+    assert max(rank[t] for t in draws[2]) > 64
+
+
+def test_logprobs_are_skipped_when_no_row_wants_them():
+    logits = jnp.asarray(make_logits(5))
+    rows = rows_of(**ROWS, seeds=[1] * 6, counters=[0] * 6)
+    config = SamplerConfig(False, 64, 4)
+    asked = sample(logits, rows, config, wants_logprobs=jnp.asarray([0, 0, 1, 0, 0, 0]))
+    everything = sample(logits, rows, config)
+    np.testing.assert_allclose(np.asarray(asked.top_logprobs), np.asarray(everything.top_logprobs))
+    none = sample(logits, rows, config, wants_logprobs=jnp.zeros(6, jnp.int32))
+    np.testing.assert_array_equal(np.asarray(none.tokens), np.asarray(everything.tokens))
+    assert not np.asarray(none.top_logprobs).any() and not np.asarray(none.logprobs).any()
 
 
 @pytest.mark.parametrize("counter", [0, 5])

@@ -1,41 +1,60 @@
-"""The packed step input on its own: what the host packs by name, the device unpacks by name."""
+"""The flat call input on its own: what the host packs by name, the device unpacks by name."""
 
 import numpy as np
 
 from dcpjax.runner import step_input
+from dcpjax.runner.step_input import CallShape
 from dcpjax.sampling import SamplingParams
 
 
 def test_pack_then_unpack_gives_every_field_back():
-    batch, n, chunk, width, slots = 4, 3, 8, 5, 16
-    step = step_input.PackedStep(batch, n, chunk, width, slots)
-    step.set("start", [0, 7, 30])
-    step.set("count", [8, 1, 3])
-    step.set("slot", [2, 0, 9])
-    step.set("samples", [0, 1, 1])
+    shape, n, slots = CallShape("decode", 4, 1, 5, 4), 3, 16
+    call = step_input.PackedCall(shape, n, slots)
+    call.tokens("tokens")[:n, 0] = [7, 8, 9]
+    call.tokens("positions")[:n, 0] = [0, 7, 30]
+    call.tokens("from_slot")[1, 0] = 0
+    call.set("sample_at", [0, 1, 2])
+    call.set("count", [1, 1, 1])
+    call.set("slot", [2, 0, 9])
+    call.set("samples", [0, 1, 1])
     params = [SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.05, presence_penalty=0.5,
-                             frequency_penalty=-0.25, repetition_penalty=1.2, min_tokens=3),
+                             frequency_penalty=-0.25, repetition_penalty=1.2, min_tokens=3, logprobs=2),
               SamplingParams(temperature=0), SamplingParams(top_k=2**40)]
-    step.set_request_values(np.stack([step_input.request_values(p, seed, i == 0)
+    call.set_request_values(np.stack([step_input.request_values(p, seed, i == 0)
                                       for i, (p, seed) in enumerate(zip(params, [1, 2**32 + 5, 2**31]))]))
-    step.set("counter", [0, 4, 9])
-    step.set("next", 42, row=0)
-    step.tokens[0] = np.arange(8)
-    step.block_tables[:n] = np.arange(n * width).reshape(n, width)
+    call.set("counter", [0, 4, 9])
+    call.block_tables[:n] = np.arange(n * 5).reshape(n, 5)
 
-    x = step_input.unpack(step.array, chunk)
+    x = step_input.unpack(call.array, shape)
     f = x.fields
-    np.testing.assert_array_equal(x.tokens[0], np.arange(8))
-    np.testing.assert_array_equal(x.block_tables[:n], np.arange(n * width).reshape(n, width))
-    assert f.start.tolist() == [0, 7, 30, 0] and f.count.tolist() == [8, 1, 3, 0]
+    assert x.tokens[:, 0].tolist() == [7, 8, 9, 0] and x.positions[:, 0].tolist() == [0, 7, 30, -1]  # -1: padding
+    assert x.from_slot[:, 0].tolist() == [-1, 0, -1, -1] and x.page_offsets is None and x.targets is None
+    np.testing.assert_array_equal(x.block_tables[:n], np.arange(n * 5).reshape(n, 5))
+    assert f.count.tolist() == [1, 1, 1, 0] and f.sample_at.tolist() == [0, 1, 2, 0]
     assert f.slot.tolist() == [2, 0, 9, slots]  # the padding row has no slot: its writes are dropped
-    assert f.next.tolist() == [42, -1, -1, -1] and f.counter.tolist() == [0, 4, 9, 0]
+    assert f.counter.tolist() == [0, 4, 9, 0] and f.wants_logprobs[:n].tolist() == [1, 0, 0]
     np.testing.assert_allclose(f.temperature[:n], [0.7, 0, 1], rtol=1e-7)
     np.testing.assert_allclose([f.top_p[0], f.min_p[0], f.presence[0], f.frequency[0], f.repetition[0]],
                                [0.9, 0.05, 0.5, -0.25, 1.2], rtol=1e-7)
     assert f.top_k[:n].tolist() == [50, 0, 2**31 - 1]  # past the vocabulary: everything kept, same draw
     assert np.asarray(f.seed[:n]).view(np.uint32).tolist() == [1, 5, 2**31]
     assert f.min_tokens[:n].tolist() == [3, 0, 0] and f.uses_state[:n].tolist() == [1, 0, 0]
+
+
+def test_a_packed_call_carries_page_offsets_and_prompt_targets():
+    shape = CallShape("prompt", 1, 8, 6, 4)
+    assert shape.packed and shape.token_arrays == ("tokens", "positions", "from_slot", "page_offsets", "targets")
+    call = step_input.PackedCall(shape, 2, 16)
+    call.tokens("tokens")[0, :5] = [1, 2, 3, 4, 5]
+    call.tokens("page_offsets")[0, 3:5] = 2
+    call.tokens("targets")[0, :2] = [2, 3]
+    call.block_tables[0, :3] = [11, 12, 13]
+    call.set("sample_at", [2, 4])
+    x = step_input.unpack(call.array, shape)
+    assert x.tokens.shape == (1, 8) and x.page_offsets[0].tolist() == [0, 0, 0, 2, 2, 0, 0, 0]
+    assert x.targets[0].tolist() == [2, 3, -1, -1, -1, -1, -1, -1]
+    assert x.block_tables[0].tolist() == [11, 12, 13, 0, 0, 0] and x.fields.sample_at.tolist() == [2, 4, 0, 0]
+    assert call.array.size == shape.size == 5 * 8 + 6 + 4 * len(step_input.FIELDS)
 
 
 def test_a_request_is_packed_once_and_dropped_with_it():

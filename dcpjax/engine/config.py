@@ -79,6 +79,12 @@ class EngineConfig:
     generation_config: str
     max_logprobs: int
     compilation_cache_dir: str | None  # "auto": compile_watch.default_compilation_cache_dir(); None or "": off
+    enforce_eager: bool | None  # skip the start-up precompile (`dcpjax.runner.precompile`); None: on CPU only
+
+    def skips_precompile(self, platform: str) -> bool:
+        """enforce_eager, or on CPU when unset: XLA:CPU builds a step shape in seconds and maps ~350
+        memory regions for it, and a configuration can dispatch hundreds (`dcpjax.runner.precompile`)."""
+        return platform == "cpu" if self.enforce_eager is None else self.enforce_eager
 
     def __post_init__(self) -> None:
         check_attention_backend(self.attention_backend)

@@ -135,7 +135,7 @@ class Engine:
             prepared = self.runner.prepare(rows, tables)
             now = time.perf_counter()
             t.prepare += now - before
-            dispatched.append(self.runner.launch(rows, *prepared))
+            dispatched += [self.runner.launch(call) for call in prepared]
             if self.proposer is not None and rows is not scheduled.decode:
                 self.proposer.after_prefill(rows, tables)  # the draft model computes the same chunks
             before, now = now, time.perf_counter()

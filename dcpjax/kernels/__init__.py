@@ -4,7 +4,7 @@ Pure maths, no mesh: `dcpjax.sharding` imports this package, never the reverse.
 """
 
 from dcpjax.kernels.common import ATTENTION_BACKENDS, AttentionOptions, check_attention_backend
-from dcpjax.kernels.dispatch import attention, decode_attention, resolve_backend
+from dcpjax.kernels.dispatch import attention, decode_attention, reads_only_visible_pages, resolve_backend
 from dcpjax.kernels.kv_cache import KVCache, KVPools, gather_pages, quantize_fp8
 from dcpjax.kernels.pallas import attention_pallas
 
@@ -19,5 +19,6 @@ __all__ = [
     "decode_attention",
     "gather_pages",
     "quantize_fp8",
+    "reads_only_visible_pages",
     "resolve_backend",
 ]

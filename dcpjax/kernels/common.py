@@ -6,8 +6,12 @@
            [batch, pages], optional fp8 scales; v None is MLA's latent form
            (V = K[..., :v_head_dim])
   bounds:  [batch, T] int, each query's causal bound: query t of sequence b sees tokens
-           0 .. bounds[b, t] - 1
+           0 .. bounds[b, t] - 1 of its row's pages
            (0 allowed: padding, or a DCP rank that owns none of them)
+  starts:  optional [batch, T] int, each query's first visible token (default 0): query t
+           sees tokens starts[b, t] .. bounds[b, t] - 1. A packed row (several sequences'
+           chunks in one row, their pages one after another in its block table) gives each
+           query the range of its own sequence's pages.
 Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads]
 float32, natural-log based; a query with no visible token gives out 0, lse -inf.
 """
@@ -69,7 +73,7 @@ class AttentionShapes:
         return self.q_heads // self.kv_heads
 
 
-def check_attention_args(q, kv: KVCache, bounds) -> AttentionShapes:
+def check_attention_args(q, kv: KVCache, bounds, starts=None) -> AttentionShapes:
     """Validate the contract above once; return the sizes every implementation needs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [batch, queries, q_heads, head_dim], got shape {q.shape}")
@@ -92,6 +96,8 @@ def check_attention_args(q, kv: KVCache, bounds) -> AttentionShapes:
     _check_scales(kv)
     if tuple(bounds.shape) != (batch, queries):
         raise ValueError(f"bounds must be [batch, queries] = {[batch, queries]}, got {list(bounds.shape)}")
+    if starts is not None and tuple(starts.shape) != (batch, queries):
+        raise ValueError(f"starts must be [batch, queries] = {[batch, queries]}, got {list(starts.shape)}")
     tables = kv.block_tables
     if tables is None or tables.ndim != 2 or tables.shape[0] != batch:
         got = None if tables is None else tables.shape
@@ -123,8 +129,8 @@ def from_rows(x: jax.Array, shapes: AttentionShapes) -> jax.Array:
 
 
 def row_bounds(bounds: jax.Array, shapes: AttentionShapes) -> jax.Array:
-    """[batch, T] causal bounds -> [batch, T * G]: row t * G + g gets query t's bound (the same
-    for every KV head, so one array serves all of them)."""
+    """[batch, T] causal bounds (or starts) -> [batch, T * G]: row t * G + g gets query t's
+    value (the same for every KV head, so one array serves all of them)."""
     return jnp.repeat(bounds, shapes.group, axis=1)
 
 

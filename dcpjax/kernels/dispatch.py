@@ -18,10 +18,14 @@ from dcpjax.kernels.pallas_tpu import tpu_tiling_problem
 from dcpjax.kernels.reference import attention_reference
 
 
+def _gpu_page_fits(page: int) -> bool:
+    return page >= 16 and page & (page - 1) == 0  # Triton tiles: a power of two, tensor-core dots
+
+
 def _pallas_fits(platform: str, shapes: AttentionShapes, kv: KVCache) -> bool:
     page = shapes.block_size
     if platform == "gpu":
-        return page >= 16 and page & (page - 1) == 0
+        return _gpu_page_fits(page)
     if platform == "tpu":
         return tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, page, kv.use_mla, kv.quantized) is None
     return False  # CPU: the interpreter is for tests, XLA's fused reference is faster
@@ -34,11 +38,19 @@ def resolve_backend(options: AttentionOptions, shapes: AttentionShapes, kv: KVCa
     return "pallas" if _pallas_fits(options.platform or jax.default_backend(), shapes, kv) else "reference"
 
 
+def reads_only_visible_pages(options: AttentionOptions, block_size: int) -> bool:
+    """Whether the kernel `options` pick reads only the pages inside each query's bound, whatever
+    the block table's width: the GPU Pallas kernel (its page loop has a traced trip count). The
+    jnp reference reads every page of the width, and the TPU kernel's grid spans them."""
+    platform = options.platform or jax.default_backend()
+    return platform == "gpu" and options.backend != "reference" and _gpu_page_fits(block_size)
+
+
 DEFAULT_OPTIONS = AttentionOptions()
 
 
 def attention(q: jax.Array, kv: KVCache, bounds: jax.Array,
-              options: AttentionOptions = DEFAULT_OPTIONS) -> tuple[jax.Array, jax.Array]:
+              options: AttentionOptions = DEFAULT_OPTIONS, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of T queries per sequence over a paged KV cache, each with its own causal bound.
 
     Args:
@@ -46,15 +58,18 @@ def attention(q: jax.Array, kv: KVCache, bounds: jax.Array,
       kv: `KVCache` with block_tables [batch, pages].
       bounds: [batch, T] int, each query's causal bound: query t sees tokens 0 .. bounds[b, t] - 1.
       options: scale, backend, platform (static).
+      starts: optional [batch, T] int, each query's first visible token (packed rows: see
+        `dcpjax.kernels.common`); None: 0.
     Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads] float32
     (natural log; a query that sees nothing gives 0 and -inf).
     """
-    shapes = check_attention_args(q, kv, bounds)
+    shapes = check_attention_args(q, kv, bounds, starts)
     scale = options.scale(shapes.dk)
     if resolve_backend(options, shapes, kv) == "pallas":
         platform = options.platform or jax.default_backend()
-        return run_pallas(q, kv, bounds, shapes, scale, target=default_target(platform), interpret=platform == "cpu")
-    return attention_reference(q, kv, bounds, shapes, scale)
+        return run_pallas(q, kv, bounds, shapes, scale, target=default_target(platform), interpret=platform == "cpu",
+                          starts=starts)
+    return attention_reference(q, kv, bounds, shapes, scale, starts)
 
 
 def decode_attention(q: jax.Array, kv: KVCache, lengths: jax.Array,

@@ -43,17 +43,20 @@ def padded_rows(rows: int, target: str) -> int:
     return max(MIN_GPU_ROWS, pl.next_power_of_2(rows))
 
 
-def query_rows(q: jax.Array, bounds: jax.Array, shapes: AttentionShapes, rows: int) -> tuple[jax.Array, jax.Array]:
+def query_rows(q: jax.Array, bounds: jax.Array, starts: jax.Array | None, shapes: AttentionShapes,
+               rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, Hq, dk] -> qg [B, Hkv, rows, dk] (`common.to_rows`, padded to `rows`);
-    bounds [B, T] -> [B, rows] int32, each row its query's bound (padding rows see nothing)."""
-    qg, bounds = to_rows(q, shapes), row_bounds(bounds.astype(jnp.int32), shapes)
+    bounds and starts [B, T] -> [B, rows] int32, each row its query's (padding rows see nothing;
+    starts None: zeros)."""
     pad = rows - shapes.queries * shapes.group
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, pad), (0, 0))), jnp.pad(bounds, ((0, 0), (0, pad)))
+    as_rows = lambda x: jnp.pad(row_bounds(x.astype(jnp.int32), shapes), ((0, 0), (0, pad)))
+    qg = jnp.pad(to_rows(q, shapes), ((0, 0), (0, 0), (0, pad), (0, 0)))
+    return qg, as_rows(bounds), as_rows(jnp.zeros_like(bounds) if starts is None else starts)
 
 
 def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes, sm_scale: float, *,
                target: str, interpret: bool, num_kv_splits: int | None = None,
-               block_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
+               block_rows: int | None = None, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel for `target` on arguments already validated (`check_attention_args`)."""
     if target == "tpu" and not interpret:  # the interpreter has no tiling rules
         problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, shapes.block_size, kv.use_mla,
@@ -61,8 +64,8 @@ def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionSh
         if problem:
             raise ValueError(f"the TPU Pallas kernel cannot tile these shapes: {problem}; "
                              "use attention_backend='reference' (or 'auto', which does)")
-    qg, bounds = query_rows(q, bounds, shapes, padded_rows(shapes.queries * shapes.group, target))
-    args = (qg, bounds, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
+    qg, bounds, starts = query_rows(q, bounds, starts, shapes, padded_rows(shapes.queries * shapes.group, target))
+    args = (qg, bounds, starts, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
     if target == "tpu":
         out, lse = paged_attention_tpu(*args, sm_scale=sm_scale, dv=shapes.dv, interpret=interpret,
                                        block_rows=block_rows)
@@ -83,6 +86,7 @@ def attention_pallas(
     target: str | None = None,
     platform: str | None = None,
     block_rows: int | None = None,
+    starts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas kernel directly (tests, benchmarks); contract in `dcpjax.kernels.common`.
 
@@ -94,7 +98,7 @@ def attention_pallas(
       block_rows: (query, head) rows per program (default: what fits the target's memory).
     Returns out [batch, T, q_heads, dv] (q.dtype) and lse [batch, T, q_heads] float32.
     """
-    shapes = check_attention_args(q, kv, bounds)
+    shapes = check_attention_args(q, kv, bounds, starts)
     platform = platform or jax.default_backend()
     target = target or default_target(platform)
     if target not in TARGETS:
@@ -102,4 +106,4 @@ def attention_pallas(
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     scale = AttentionOptions(sm_scale).scale(shapes.dk)
     return run_pallas(q, kv, bounds, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
-                      block_rows=block_rows)
+                      block_rows=block_rows, starts=starts)

@@ -55,19 +55,23 @@ def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -
 
 
 def _gpu_kernel(
-    tables_ref, bounds_ref, q_ref, k_ref, v_ref, *refs,
+    tables_ref, bounds_ref, starts_ref, q_ref, k_ref, v_ref, *refs,
     sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
     """One program's block of rows (r = block_rows): q_ref [r, dk]; bounds_ref [r] causal bound
-    per row; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8
+    per row and starts_ref [r] its first visible token; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8
     cache): ks_ref, vs_ref [Hkv, N, bs] per-token dequantisation scales; tables_ref [B, P];
     out_ref [r, dv] f32 and lse_ref [r] f32, this split's unmerged partial."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, split = pl.program_id(0), pl.program_id(2)
     head = pl.program_id(1) // row_blocks  # axis 1 walks (KV head, block of query rows)
-    bounds = bounds_ref[...]
-    first_page = split * pages_per_split
-    num_pages = jnp.clip(pl.cdiv(jnp.max(bounds), block_size) - first_page, 0, pages_per_split)
+    bounds, starts = bounds_ref[...], starts_ref[...]
+    # the pages any row of the block sees: from the lowest start of a row that sees something
+    lowest = jnp.min(jnp.where(bounds > starts, starts, jnp.iinfo(jnp.int32).max))
+    split_start = split * pages_per_split
+    first_page = jnp.clip(lowest // block_size, split_start, split_start + pages_per_split)
+    end_page = jnp.minimum(pl.cdiv(jnp.max(bounds), block_size), split_start + pages_per_split)
+    num_pages = jnp.maximum(end_page - first_page, 0)
     q_parts = [q_ref[:, pl.ds(start, width)] for start, width in k_chunks]
     rows = q_parts[0].shape[0]
 
@@ -80,7 +84,7 @@ def _gpu_kernel(
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * ks_ref[head, page, :][None, :]
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(positions < bounds[:, None], scores, -jnp.inf)
+        scores = jnp.where((positions >= starts[:, None]) & (positions < bounds[:, None]), scores, -jnp.inf)
         # A row may see no token of this page (shorter bound, padding): keep its max finite.
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)
@@ -110,14 +114,22 @@ def _gpu_kernel(
     lse_ref[...] = jnp.where(has_tokens, row_max + jnp.log(denominator), -jnp.inf)
 
 
+def _triton_params():
+    """Triton, not Mosaic GPU: it lowers this kernel on jax 0.10 - 0.12 alike."""
+    from jax.experimental.pallas import triton as pltriton
+
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret", "block_rows"))
-def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
-                        num_splits: int | None, interpret: bool = False, block_rows: int | None = None):
+def paged_attention_gpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float,
+                        dv: int, num_splits: int | None, interpret: bool = False, block_rows: int | None = None):
     """Split-K attention of query rows over pages.
 
     Args:
       qg: [batch, kv_heads, rows, dk] each KV head's (query, head) rows (`common.to_rows`), padded to a power of two.
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
+      starts: [batch, rows] int32, each row's first visible token (0 unless rows are packed).
       k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache (else None).
       block_tables: [batch, pages] int32.
@@ -143,17 +155,14 @@ def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
         _gpu_kernel, sm_scale=sm_scale, block_size=block_size, pages_per_split=pages_per_split,
         k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled, row_blocks=row_blocks,
     )
-    compiler_params = None
-    if not interpret:  # Triton, not Mosaic GPU: it lowers this kernel on jax 0.10 - 0.12 alike
-        from jax.experimental.pallas import triton as pltriton
-
-        compiler_params = pltriton.CompilerParams(num_warps=4, num_stages=2)
+    per_row = pl.BlockSpec((None, block_rows), lambda b, g, s: (b, g % row_blocks))  # bounds, starts
     partial_out, partial_lse = pl.pallas_call(
         kernel,
         grid=(batch, kv_heads * row_blocks, splits),
         in_specs=[
             whole(block_tables.shape),
-            pl.BlockSpec((None, block_rows), lambda b, g, s: (b, g % row_blocks)),
+            per_row,
+            per_row,
             pl.BlockSpec((None, None, block_rows, dk), lambda b, g, s: (b, g // row_blocks, g % row_blocks, 0)),
             whole(k.shape),
             whole(values.shape),
@@ -167,7 +176,7 @@ def paged_attention_gpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
             jax.ShapeDtypeStruct((batch, kv_heads, splits, rows), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=compiler_params,
+        compiler_params=None if interpret else _triton_params(),
         name="dcpjax_paged_attention_gpu",
-    )(block_tables, bounds, qg, k, values, *scales)
+    )(block_tables, bounds, starts, qg, k, values, *scales)
     return merge_partials(partial_out, partial_lse, axis=2)

@@ -8,7 +8,7 @@ the physical page whose K/V block Pallas pipelines from HBM into VMEM, so a page
 is fetched once per block of rows, not once per query. A running max, sum and
 accumulator live in VMEM scratch (online softmax, float32); the last page writes out
 and LSE. Pages past a block's longest bound re-use the index of its last valid page,
-so they cost no DMA and no compute.
+so they cost no DMA and no compute; so do pages before a block's lowest start (packed rows).
 
 TPU tiling: the pools are heads first, [kv_heads, num_blocks, block_size, d], so one
 head's page is the block (block_size, d) spanning the two minor axes whole: legal for
@@ -51,13 +51,14 @@ def tpu_block_rows(rows: int, dk: int, dv: int, max_elements: int = 131072) -> i
     return min(-(-rows // SUBLANES) * SUBLANES, cap)
 
 
-def _tpu_kernel(tables_ref, tile_bound_ref, q_ref, bounds_ref, k_ref, *refs, sm_scale, block_size, dv, v_from_k,
-                scaled):
+def _tpu_kernel(tables_ref, tile_bound_ref, tile_start_ref, q_ref, bounds_ref, starts_ref, k_ref, *refs, sm_scale,
+                block_size, dv, v_from_k, scaled):
     """One grid step's block of rows (r = block_rows) and page: q_ref [r, dk]; bounds_ref [r, 1]
-    causal bound per row; k_ref [bs, dk]; then v_ref [bs, dv] unless v_from_k (MLA: V is K's
+    causal bound per row, starts_ref [r, 1] its first visible token; k_ref [bs, dk]; then v_ref [bs, dv] unless v_from_k (MLA: V is K's
     first dv lanes, so K is fetched once); then, for an fp8 cache, ks_ref and vs_ref [bs, 1];
     out_ref [r, dv]; lse_ref [r, LANES]; scratch max_scr, sum_scr [r, LANES] (all lanes equal)
-    and acc_scr [r, dv]. Scalar-prefetched (SMEM): tables_ref [B, P], tile_bound_ref [B, row_blocks]."""
+    and acc_scr [r, dv]. Scalar-prefetched (SMEM): tables_ref [B, P], tile_bound_ref and
+    tile_start_ref [B, row_blocks] (the block's highest bound and lowest start)."""
     refs = list(refs)
     v_ref = None if v_from_k else refs.pop(0)
     ks_ref, vs_ref = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -70,7 +71,8 @@ def _tpu_kernel(tables_ref, tile_bound_ref, q_ref, bounds_ref, k_ref, *refs, sm_
         sum_scr[...] = jnp.zeros(sum_scr.shape, jnp.float32)
         acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
 
-    @pl.when(page * block_size < tile_bound_ref[seq, row_block])
+    @pl.when((page * block_size < tile_bound_ref[seq, row_block])
+             & ((page + 1) * block_size > tile_start_ref[seq, row_block]))
     def _visit():
         q = q_ref[...]
         k = k_ref[...].astype(q.dtype)
@@ -78,7 +80,7 @@ def _tpu_kernel(tables_ref, tile_bound_ref, q_ref, bounds_ref, k_ref, *refs, sm_
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * jnp.transpose(ks_ref[...])
         positions = page * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
-        scores = jnp.where(positions < bounds_ref[...], scores, -jnp.inf)
+        scores = jnp.where((positions >= starts_ref[...]) & (positions < bounds_ref[...]), scores, -jnp.inf)
         old_max = max_scr[...]
         new_max = jnp.maximum(old_max, jnp.max(scores, axis=1, keepdims=True))
         safe_max = jnp.where(new_max > -jnp.inf, new_max, 0.0)  # a row may see none of this page
@@ -103,17 +105,20 @@ def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_
     """Blocks of one grid step (sequence b, KV head h, row block r, page p): the row block's
     q and bounds, the page's K (and V, scales) picked through the prefetched block table."""
 
-    def kv_block(b, h, r, p, tables_ref, tile_bound_ref):
+    def kv_block(b, h, r, p, tables_ref, tile_bound_ref, tile_start_ref):
         last_page = jnp.maximum(pl.cdiv(tile_bound_ref[b, r], block_size) - 1, 0)
-        return h, tables_ref[b, jnp.minimum(p, last_page)], 0, 0
+        first_page = jnp.minimum(tile_start_ref[b, r] // block_size, last_page)
+        return h, tables_ref[b, jnp.clip(p, first_page, last_page)], 0, 0
 
     rows_of = lambda b, h, r, p, *_: (b, h, r, 0)
+    per_row = pl.BlockSpec((None, block_rows, 1), lambda b, h, r, p, *_: (b, r, 0))
     return pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3,
         grid=grid,
         in_specs=[
             pl.BlockSpec((None, None, block_rows, dk), rows_of),
-            pl.BlockSpec((None, block_rows, 1), lambda b, h, r, p, *_: (b, r, 0)),
+            per_row,
+            per_row,
             pl.BlockSpec((None, None, block_size, dk), kv_block),
         ] + ([] if v_from_k else [pl.BlockSpec((None, None, block_size, dv), kv_block)])
         + ([pl.BlockSpec((None, None, block_size, 1), kv_block)] * 2 if scaled else []),
@@ -130,13 +135,14 @@ def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "interpret", "block_rows"))
-def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float, dv: int,
-                        interpret: bool = False, block_rows: int | None = None):
+def paged_attention_tpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float,
+                        dv: int, interpret: bool = False, block_rows: int | None = None):
     """Attention of query rows over pages on TPU (no KV splits: one core walks a sequence).
 
     Args:
       qg: [batch, kv_heads, rows, dk] each KV head's (query, head) rows (`common.to_rows`), padded to a multiple of 8.
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
+      starts: [batch, rows] int32, each row's first visible token (0 unless rows are packed).
       k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       block_tables: [batch, pages] int32.
       k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache, else None.
@@ -152,7 +158,10 @@ def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
     if padded != rows:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded - rows), (0, 0)))
         bounds = jnp.pad(bounds, ((0, 0), (0, padded - rows)))
+        starts = jnp.pad(starts, ((0, 0), (0, padded - rows)))
     tile_bound = jnp.max(bounds.reshape(batch, row_blocks, block_rows), axis=2)  # [B, row_blocks]
+    seeing = jnp.where(bounds > starts, starts, jnp.iinfo(jnp.int32).max)  # rows that see nothing don't count
+    tile_start = jnp.min(seeing.reshape(batch, row_blocks, block_rows), axis=2)
     scaled = k_scale is not None
     block_size = k.shape[2]
     v_from_k = v is None
@@ -176,5 +185,5 @@ def paged_attention_tpu(qg, bounds, k, v, block_tables, k_scale=None, v_scale=No
         ),
         interpret=interpret,
         name="dcpjax_paged_attention_tpu",
-    )(block_tables, tile_bound, qg, bounds[..., None], *kv_inputs)
+    )(block_tables, tile_bound, tile_start, qg, bounds[..., None], starts[..., None], *kv_inputs)
     return out[:, :, :rows], lse[:, :, :rows, 0]

@@ -15,8 +15,9 @@ from dcpjax.kernels.kv_cache import KVCache, gather_pages
 
 
 def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes,
-                        sm_scale: float) -> tuple[jax.Array, jax.Array]:
-    """q [batch, T, q_heads, dk], bounds [batch, T] (each query's causal bound) ->
+                        sm_scale: float, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """q [batch, T, q_heads, dk], bounds [batch, T] (each query's causal bound), starts [batch, T]
+    or None (each query's first visible token, default 0) ->
     out [batch, T, q_heads, dv] (q.dtype), lse [batch, T, q_heads] float32."""
     gather = lambda x: gather_pages(x, kv.block_tables)  # [Hkv, B, S, ...]: heads lead, no transpose
     k, v = gather(kv.k), None if kv.v is None else gather(kv.v)
@@ -29,7 +30,10 @@ def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: At
     # heads lead, like the gathered pages: the small q and outputs move, never the KV
     qg = jnp.swapaxes(to_rows(q, shapes), 0, 1)  # [Hkv, B, rows, dk], rows = T * G
     scores = jnp.einsum("hbrd,hbsd->hbrs", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    valid = jnp.arange(seq)[None, None, :] < row_bounds(bounds, shapes)[:, :, None]  # [B, rows, S]
+    index = jnp.arange(seq)[None, None, :]
+    valid = index < row_bounds(bounds, shapes)[:, :, None]  # [B, rows, S]
+    if starts is not None:
+        valid &= index >= row_bounds(starts, shapes)[:, :, None]
     scores = jnp.where(valid[None], scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1)
     safe_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)

@@ -34,15 +34,18 @@ class StepContext:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "positions", "valid", "last_index", "block_tables", "slots"],
+    data_fields=["tokens", "positions", "valid", "sample_index", "block_tables", "page_offsets", "slots"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
     """One step's rows, from the runner through the model to attention (replicated arrays).
 
-    tokens, positions, valid: [B, T] (padding has valid False); last_index: [B], the chunk
-    index whose next-token logits are wanted; block_tables: [B, P], shared by all DCP ranks;
+    tokens, positions, valid: [B, T] (padding has valid False); positions are each token's
+    position in its own sequence. sample_index: [R], the flat indices (b * T + t) of the tokens
+    whose next-token logits are wanted. block_tables: [B, P], shared by all DCP ranks.
+    page_offsets: None, or [B, T] for packed rows (several sequences' chunks in one row, their
+    block tables back to back in the row's): where each token's sequence's blocks begin.
     slots: [B * T], where this DCP rank stores each token (`PAD_SLOT` if it does not own it):
     computed once per step inside `shard_map` (`on_rank`), not once per layer.
     """
@@ -50,8 +53,9 @@ class StepBatch:
     tokens: jax.Array
     positions: jax.Array
     valid: jax.Array
-    last_index: jax.Array
+    sample_index: jax.Array
     block_tables: jax.Array
+    page_offsets: jax.Array | None = None
     slots: jax.Array | None = None
 
     @property
@@ -61,7 +65,8 @@ class StepBatch:
 
     def on_rank(self, block_size: int, pc: ParallelConfig) -> StepBatch:
         """This DCP rank's slots for the step's tokens (inside shard_map)."""
-        slots = owned_slots(self.positions, self.block_tables, block_size, pc, valid=self.valid)
+        slots = owned_slots(self.positions, self.block_tables, block_size, pc, valid=self.valid,
+                            page_offsets=self.page_offsets)
         return dataclasses.replace(self, slots=slots.reshape(-1))
 
 
@@ -100,9 +105,9 @@ class CausalLM(nnx.Module):
           kv_caches: per layer, this rank's `KVPools`: pools [kv_heads_local, num_blocks, block_size, d],
             heads first (MLA: one latent pool, kv_heads_local 1, v None); fp8 scales
             [kv_heads_local, num_blocks, block_size] or None; the step's block tables come with the batch.
-          all_positions: logits at every position (prompt logprobs), not only at last_index.
+          all_positions: logits at every position (prompt logprobs, drafts), not only at sample_index.
         Returns:
-          logits [B, vocab] (or [B, T, vocab] with all_positions) float32 (replicated) and the
+          logits [R, vocab] (or [B, T, vocab] with all_positions) float32 (replicated) and the
           updated kv_caches.
         """
         batch = batch.on_rank(kv_caches[0].block_size, ctx.pc)
@@ -112,7 +117,7 @@ class CausalLM(nnx.Module):
             x, kv = layer(x, batch, kv, ctx)
             new_caches.append(kv)
         if not all_positions:
-            x = jnp.take_along_axis(x, batch.last_index[:, None, None], axis=1)[:, 0]  # [B, hidden]
+            x = x.reshape(-1, x.shape[-1])[batch.sample_index]  # [R, hidden]
         last = self.norm(x)
         local = self.embed.attend(last) if self.lm_head is None else self.lm_head(last)
         return gather_vocab(local, self.vocab_size), tuple(new_caches)

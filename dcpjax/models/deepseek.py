@@ -89,7 +89,7 @@ class MLAttention(nnx.Module):
         q_absorbed = jnp.concatenate([jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...]), q_rope], axis=-1)
         options = dataclasses.replace(ctx.attention, sm_scale=self.sm_scale)
         out_latent, _ = dcp_attention(q_absorbed, kv.with_block_tables(batch.block_tables), batch.causal_bounds,
-                                      ctx.pc, options)
+                                      ctx.pc, options, batch.page_offsets)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = out_projection(out, self.o_proj[...])
         return reduce_model(out), kv

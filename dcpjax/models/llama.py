@@ -63,7 +63,8 @@ class LlamaAttention(nnx.Module):
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # [B, T, H, d] -> [B * T, H, d]
         kv = kv.write(flat(k), flat(v), batch.slots)
         options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
-        out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options)
+        out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options,
+                               batch.page_offsets)
         out = out_projection(out.astype(x.dtype), self.o_proj[...])
         return reduce_model(out), kv
 

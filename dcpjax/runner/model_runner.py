@@ -1,21 +1,26 @@
-"""The model on the mesh: sharded parameters, the paged KV pools, the compiled step.
+"""The model on the mesh: sharded parameters, the paged KV pools, the compiled calls.
 
-One compiled step runs a chunk of T tokens for B sequences (the whole model inside
-one `shard_map` over ("tp", "dcp")) and samples each row's next token in the same
-dispatch. Its inputs arrive as one packed int32 array (one host-to-device transfer
-per step); its sampled tokens also land in a device-side buffer indexed by each
-sequence's slot, from which the next step reads a decode row's input, so the host
-never has to see a token before the device uses it (asynchronous scheduling).
+A model call runs chunks of tokens for several sequences (the whole model inside one
+`shard_map` over ("tp", "dcp")) in one of the layouts of `step_input`: B rows of one sequence
+each (decode, verify) or one packed row of several sequences' prefill chunks. Its inputs arrive
+as one flat int32 array (one host-to-device transfer). The call takes each sampling row's greedy
+token (argmax) in the same dispatch and stores it in a device-side buffer indexed by the
+sequence's slot, from which the next step reads a decode row's input, so the host never has to
+see a token before the device uses it (asynchronous scheduling). When a row samples otherwise
+(temperature, logprobs, logits processors), the sampler's own small program runs right after,
+over the call's logits, and overwrites those tokens: the model's compile keys do not multiply
+with the sampling variants.
 
-Compile keys: rows B and chunk T (each bucketed to a power of two; a verify call's T is
-exactly 1 + k), block-table width P (bucketed by `width_bucket` to the longest sequence in
-the batch, so a step reads only blocks its rows can reach), and the static `SamplerConfig`. Lengths,
+Compile keys: the model call's `CallShape` (rounded onto the `ShapeGrid`: rows or tokens,
+block-table width, layout) and the sampler's `SamplerShape` (rows, positions). Lengths,
 positions and sampling values are data: sequences grow inside a bucket without recompiling.
+`precompile` compiles every key of the grid before the engine says it is ready.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence as Seq
 
 import jax
@@ -30,17 +35,21 @@ from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import param_specs
 from dcpjax.runner import step_input
+from dcpjax.runner.call_builder import CallBuilder, PreparedCall
 from dcpjax.runner.compile_watch import compile_watch
 from dcpjax.runner.kv_layout import KVCacheLayout
+from dcpjax.runner.shape_grid import SamplerShape, ShapeGrid
+from dcpjax.runner.step_input import CallShape
 from dcpjax.runner.step_output import StepResult, as_bits, pack_logprobs
 from dcpjax.sampling import (
+    MAX_LOGPROBS,
     Sampled,
     SamplerConfig,
     SamplingRows,
+    argmax,
+    full_config,
     logits_processors,
-    pow2_at_least,
     sample,
-    sampler_config,
     token_logprobs,
 )
 from dcpjax.sampling.verify import num_accepted, verify_drafts
@@ -52,26 +61,35 @@ logger = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, mesh: Mesh, graphdef: nnx.GraphDef,
-                 state: nnx.State, kv: KVCacheLayout, attention_backend: str = "auto", max_num_seqs: int = 64,
-                 num_speculative_tokens: int = 0):
-        self.cfg, self.pc, self.mesh, self.kv_layout = cfg, pc, mesh, kv
+                 state: nnx.State, kv: KVCacheLayout, grid: ShapeGrid, attention_backend: str = "auto",
+                 max_num_seqs: int = 64, max_logprobs: int = MAX_LOGPROBS):
+        self.cfg, self.pc, self.mesh, self.kv_layout, self.grid = cfg, pc, mesh, kv, grid
         self.graphdef, self.state = graphdef, state
         self.max_num_seqs = max_num_seqs
-        self.verify_chunk = 1 + num_speculative_tokens  # a verify call's chunk (one extra compile key)
+        # the sampler of every call that is not all greedy (`sampler_config`)
+        self.full_config = full_config(cfg.vocab_size, max_logprobs)
+        self.prompt_top = self.full_config.num_top  # top prompt logprobs a prompt-logprobs call returns
         options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
         self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.kv_caches = tuple(self._empty_cache() for _ in range(cfg.num_hidden_layers))
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
-        self.processor_state: logits_processors.ProcessorState | None = None  # made when a request first needs it
-        self.requests = step_input.RequestCache()  # each request's fixed sampling values, packed once
+        # the logits processors' rows of every slot ([max_num_seqs, vocab] x 9 bytes): always there,
+        # so that the sampler has one form whatever its requests ask
+        self.processor_state = jax.device_put(logits_processors.empty_state(max_num_seqs, cfg.vocab_size),
+                                              self.replicated)
+        self.calls = CallBuilder(grid, kv.block_size, pc.dcp, max_num_seqs, cfg.vocab_size, max_logprobs)
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
-        self._step = self._compile_step()
-        self.step_shapes: set[tuple] = set()  # the compile keys dispatched so far
-        self.ready = False  # set by `mark_ready`: a step compiled after it is a compile a user waits for
+        self._model_step = self._build_model_step()
+        self._sampler_step = self._build_sampler_step()
+        self._install = jax.jit(logits_processors.install, donate_argnums=0)
+        self.seen: set = set()  # the model and sampler shapes dispatched or precompiled so far
+        self._lower_lock = threading.Lock()
+        self.ready = False  # set by `mark_ready`: a shape compiled after it is a compile a user waits for
+        self.precompiled = False  # set by `precompile`: then a compile after ready is a bug, not a choice
         self.steps_compiled_after_ready = 0
 
     def _empty_cache(self) -> KVPools:
@@ -95,7 +113,7 @@ class ModelRunner:
         )
 
     def _model(self, all_positions: bool = False):
-        """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [B, vocab],
+        """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [R, vocab],
         or [B, T, vocab] at all positions, float32 replicated, caches)."""
         graphdef, ctx = self.graphdef, self.ctx
         cache_specs = tuple(RULES.kv_pools_spec(pools) for pools in self.kv_caches)
@@ -111,150 +129,175 @@ class ModelRunner:
             check_vma=False,  # Pallas kernels inside
         )
 
-    def _compile_step(self):
-        num_slots, replicated, param_tree = self.max_num_seqs, self.replicated, self._param_tree
+    def _build_model_step(self):
+        num_slots, replicated, param_tree, prompt_top = self.max_num_seqs, self.replicated, self._param_tree, \
+            self.prompt_top
         models = {False: self._model(), True: self._model(all_positions=True)}
 
-        def step(param_leaves, kv_caches, slot_tokens, processor_state, packed, chunk: int, config: SamplerConfig,
-                 prompt_top: int | None, verify: bool):
+        def step(param_leaves, kv_caches, slot_tokens, flat, shape: CallShape):
+            """-> (greedy tokens [R] ([B, T] verifying), accepted [B] (verifying) or None, prompt
+            logprobs [1, N, 2 + 2k] ("prompt") or None, logits [R, V] ([B, T, V] verifying),
+            fields [R, F], input tokens [B, T] (verifying) or None, caches, slot tokens)."""
             state = jax.tree.unflatten(param_tree, param_leaves)
-            x = step_input.unpack(packed, chunk)
+            x = step_input.unpack(flat, shape)
             f = x.fields
-            offsets = jnp.arange(chunk, dtype=jnp.int32)[None, :]
-            from_device = (f.device_input > 0)[:, None] & (offsets == 0)
-            batch = StepBatch(
-                tokens=jnp.where(from_device, slot_tokens[jnp.clip(f.slot, 0, num_slots - 1)][:, None], x.tokens),
-                positions=f.start[:, None] + offsets,
-                valid=offsets < f.count[:, None],
-                last_index=jnp.maximum(f.count - 1, 0),
-                block_tables=x.block_tables,
-            )
-            logits, kv_caches = models[prompt_top is not None or verify](state, kv_caches, batch)
+            tokens = jnp.where(x.from_slot >= 0, slot_tokens[jnp.clip(x.from_slot, 0, num_slots - 1)], x.tokens)
+            batch = StepBatch(tokens=tokens, positions=jnp.maximum(x.positions, 0), valid=x.positions >= 0,
+                              sample_index=f.sample_at, block_tables=x.block_tables, page_offsets=x.page_offsets)
+            verify = shape.kind == "verify"
+            logits, kv_caches = models[shape.kind in ("verify", "prompt")](state, kv_caches, batch)
             prompt_out = None
-            if prompt_top is not None:  # [B, T, vocab]: each position's logprob of the next prompt token
-                targets = jnp.where(offsets < f.count[:, None] - 1, jnp.roll(batch.tokens, -1, axis=1), f.next[:, None])
-                prompt_out = pack_logprobs(token_logprobs(logits, jnp.maximum(targets, 0), prompt_top))
-                logits = jnp.take_along_axis(logits, batch.last_index[:, None, None], axis=1)[:, 0]
-            sampled, last, accepted = _draw(logits, batch.tokens, f, processor_state, config, verify)
+            if shape.kind == "prompt":  # [1, N, vocab]: each token's logprob of the prompt token after it
+                prompt_out = pack_logprobs(token_logprobs(logits, jnp.maximum(x.targets, 0), prompt_top))
+                logits = logits.reshape(-1, logits.shape[-1])[f.sample_at]
+            greedy = argmax(logits)  # [R], or [B, T] at every position of a verify row
+            accepted, last = None, greedy
+            if verify:  # drafts kept while they equal the argmax (see sampling.verify)
+                accepted = num_accepted(greedy, tokens, f.count)
+                last = greedy[jnp.arange(greedy.shape[0]), accepted]
             target = jnp.where(f.samples > 0, f.slot, num_slots)  # out of range: dropped
-            slot_tokens = slot_tokens.at[target].set(last, mode="drop")
-            slot_tokens = jax.lax.with_sharding_constraint(slot_tokens, replicated)
-            if config.processors:
-                processor_state = jax.lax.with_sharding_constraint(
-                    logits_processors.record(processor_state, target, last), replicated)
-            out = sampled.tokens
-            if config.num_top is not None:
-                out = jnp.concatenate([as_bits(sampled.tokens)[..., None], pack_logprobs(sampled[1:])], axis=-1)
-            return out, accepted, prompt_out, kv_caches, slot_tokens, processor_state
+            slot_tokens = jax.lax.with_sharding_constraint(slot_tokens.at[target].set(last, mode="drop"), replicated)
+            meta = flat[flat.shape[0] - shape.samples * len(step_input.FIELDS):]
+            return greedy, accepted, prompt_out, logits, meta, tokens if verify else None, kv_caches, slot_tokens
 
-        return jax.jit(step, static_argnames=("chunk", "config", "prompt_top", "verify"), donate_argnums=(1, 2, 3))
+        return jax.jit(step, static_argnames=("shape",), donate_argnums=(1, 2))
 
-    # -- one step ------------------------------------------------------------------------------
-    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray,
-                greedy: bool = False) -> tuple[np.ndarray, int, SamplerConfig, int | None, bool]:
-        """Pack a step's rows into one int32 array on the mesh (one transfer).
+    def _build_sampler_step(self):
+        num_slots, replicated = self.max_num_seqs, self.replicated
 
-        block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
-        greedy: sample every row greedily and skip logprobs (a draft model's proposals).
-        Returns (packed [B, T + P + F] int32 numpy (`dcpjax.runner.step_input`), T, sampler config, top prompt
-        logprobs to return: None unless a row wants prompt logprobs, verify: a row carries drafts).
-        """
-        longest, verify = max(r.count for r in rows), any(r.drafts for r in rows)
-        batch, chunk = pow2_at_least(len(rows)), pow2_at_least(longest)
-        if verify and longest <= self.verify_chunk:
-            chunk = self.verify_chunk  # 1 + k exactly: a power of two would pad k = 4 to 8
-        width = min(block_tables.shape[1], step_input.width_bucket(max(len(r.seq.blocks) for r in rows)))
-        n = len(rows)
-        step = step_input.PackedStep(batch, n, chunk, width, self.max_num_seqs)
-        column = lambda values: np.fromiter(values, np.int32, n)
-        slots = column(r.seq.slot for r in rows)
-        step.set("start", column(r.start for r in rows))
-        step.set("count", column(r.count for r in rows))
-        step.set("slot", slots)
-        step.set("device_input", column(r.device_input for r in rows))
-        step.set("samples", column(r.samples for r in rows))
-        step.set_request_values(np.stack([self.requests.values(r.seq) for r in rows]))
-        step.set("counter", column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows))  # the draw's index
-        step.block_tables[:n] = block_tables[slots, :width]
-        prompt_tops = []
-        for i, row in enumerate(rows):
-            if not row.device_input:  # prefill chunks, and a first token after a preemption
-                step.tokens[i, : row.count] = row.input_ids
-            if row.wants_prompt_logprobs and not greedy:
-                prompt_tops.append(row.seq.params.prompt_logprobs)
-                end = row.start + row.count
-                step.set("next", row.seq.token_ids[end] if end < row.seq.num_prompt_tokens else -1, row=i)
-        if greedy:
-            step.set("temperature", np.zeros(n, np.float32))
-            config = SamplerConfig()
-        else:
-            config = sampler_config([r.seq.params for r in rows if r.samples], self.cfg.vocab_size,
-                                    processors=any(r.seq.logits_spec is not None for r in rows if r.samples))
-        prompt_top = min(self.cfg.vocab_size, pow2_at_least(max(max(prompt_tops), 1))) if prompt_tops else None
-        return step.array, chunk, config, prompt_top, verify  # numpy: the jitted step transfers it (one copy, C++ path)
+        def sampler_step(logits, meta, tokens, slot_tokens, processor_state, config: SamplerConfig):
+            """logits [R, V] (or [B, T, V] with the verify rows' input tokens [B, T]), the call's
+            fields [R * F] -> (tokens and logprobs [R(, T), 3 + 2k], accepted [B] or None, slot
+            tokens, processor state)."""
+            f = step_input.unpack_fields(meta)
+            sampled, last, accepted = _draw(logits, tokens, f, processor_state, config)
+            target = jnp.where(f.samples > 0, f.slot, num_slots)
+            slot_tokens = jax.lax.with_sharding_constraint(slot_tokens.at[target].set(last, mode="drop"), replicated)
+            processor_state = jax.lax.with_sharding_constraint(
+                logits_processors.record(processor_state, target, last), replicated)
+            out = jnp.concatenate([as_bits(sampled.tokens)[..., None], pack_logprobs(sampled[1:])], axis=-1)
+            return out, accepted, slot_tokens, processor_state
 
-    def launch(self, rows: list[ScheduledRow], packed: np.ndarray, chunk: int, config: SamplerConfig,
-               prompt_top: int | None = None, verify: bool = False) -> StepResult:
-        """Dispatch the step (returns at once; the device runs it) and start copying its output home.
+        # its inputs are fixed to replicated: whatever sharding the model call's outputs carry, one compile
+        return jax.jit(sampler_step, static_argnums=(5,), donate_argnums=(3, 4), in_shardings=(replicated,) * 5)
+
+    # -- one call ------------------------------------------------------------------------------
+    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray, greedy: bool = False) -> list[PreparedCall]:
+        """The calls of `rows` packed on the host (`CallBuilder.prepare`)."""
+        return self.calls.prepare(rows, block_tables, greedy)
+
+    def launch(self, call: PreparedCall) -> StepResult:
+        """Dispatch the call (returns at once; the device runs it) and start copying its output home.
         Admitted rows whose requests edit their logits first get their slot's rows installed."""
-        admitted = [r.seq for r in rows if r.admitted and r.seq.logits_spec is not None]
-        if admitted:
-            if self.processor_state is None:  # the first request that needs it
-                self.processor_state = jax.device_put(
-                    logits_processors.empty_state(self.max_num_seqs, self.cfg.vocab_size), self.replicated)
-            self.processor_state = logits_processors.install(self.processor_state, logits_processors.make_install(
-                admitted, self.max_num_seqs, self.cfg.vocab_size))
-        state = self.processor_state if config.processors else None
-        key = (packed.shape, chunk, config, prompt_top, verify)
-        watched = self.ready and key not in self.step_shapes  # a new shape after ready: did it compile?
-        self.step_shapes.add(key)
-        compiled_before = compile_watch().compiled if watched else 0
-        output, accepted, prompt_output, self.kv_caches, self.slot_tokens, state = self._step(
-            self._param_leaves, self.kv_caches, self.slot_tokens, state, packed, chunk=chunk, config=config,
-            prompt_top=prompt_top, verify=verify)  # jit compiles (or loads) a new shape here, before dispatch
-        if watched and compile_watch().compiled > compiled_before:
-            self._compiled_after_ready(key)
-        if config.processors:
-            self.processor_state = state
+        for seq in (r.seq for r in call.rows if r.admitted and r.seq.logits_spec is not None):
+            self.processor_state = self._install(self.processor_state,
+                                                 logits_processors.make_install(seq, self.cfg.vocab_size))
+        shape = call.shape
+        with self._watching(shape):  # jit compiles (or loads) a new shape here, before dispatch
+            greedy, accepted, prompt_output, logits, meta, tokens, self.kv_caches, self.slot_tokens = self._model_step(
+                self._param_leaves, self.kv_caches, self.slot_tokens, call.flat, shape=shape)
+        output = greedy
+        if not call.config.all_greedy:
+            with self._watching(SamplerShape(shape.samples, shape.chunk if shape.kind == "verify" else 1)):
+                output, sampled_accepted, self.slot_tokens, self.processor_state = self._sampler_step(
+                    logits, meta, tokens, self.slot_tokens, self.processor_state, call.config)
+            accepted = accepted if sampled_accepted is None else sampled_accepted
         for array in (output, accepted, prompt_output):
             if array is not None:
                 array.copy_to_host_async()
-        return StepResult(rows, output, config, prompt_output, prompt_top, accepted)
+        return StepResult(call.rows, output, call.config, prompt_output, self.prompt_top, accepted,
+                          call.token_offsets)
+
+    # -- compilation ---------------------------------------------------------------------------
+    def _watching(self, key):
+        """Context for one dispatch of `key`: after ready, a new key that made XLA compile is a
+        compile requests waited for (logged and counted)."""
+        return _WatchDispatch(self, key)
+
+    def compile_call(self, shape: CallShape) -> None:
+        """Compile (or load from the persistent cache) the model call of `shape` ahead of its first
+        dispatch (`runner.precompile`; thread-safe): jit's `lower(...).compile()` fills the cache
+        its calls use."""
+        with self._lower_lock:  # tracing holds the GIL anyway; XLA's compile below runs in parallel
+            lowered = self._model_step.lower(self._param_leaves, self.kv_caches, self.slot_tokens,
+                                             np.zeros(shape.size, np.int32), shape=shape)
+        lowered.compile()
+        self.seen.add(shape)
+
+    def compile_sampler(self, shape: SamplerShape) -> None:
+        """Compile the full sampler for `shape` (R rows, T positions) ahead of its first dispatch."""
+        r, t, vocab = shape.samples, shape.chunk, self.cfg.vocab_size
+        spec = lambda dims, dtype: jax.ShapeDtypeStruct(dims, dtype, sharding=self.replicated)
+        verify = t > 1
+        with self._lower_lock:
+            lowered = self._sampler_step.lower(
+                spec((r, t, vocab) if verify else (r, vocab), jnp.float32), spec((r * len(step_input.FIELDS),), jnp.int32),
+                spec((r, t), jnp.int32) if verify else None, self.slot_tokens, self.processor_state, self.full_config)
+        lowered.compile()
+        self.seen.add(shape)
+
+    def compile_install(self) -> None:
+        """Compile the logits processors' install (one request's rows: one shape)."""
+        vocab, spec = self.cfg.vocab_size, jax.ShapeDtypeStruct
+        words = (logits_processors.MAX_BAD_WORDS, logits_processors.MAX_BAD_WORD_TOKENS)
+        row = logits_processors.Install(spec((), jnp.int32), spec((vocab,), jnp.float32), spec((vocab,), jnp.int8),
+                                        spec((vocab,), jnp.int32), spec(words, jnp.int32),
+                                        spec((words[1] - 1,), jnp.int32))
+        self._install.lower(self.processor_state, row).compile()
 
     def mark_ready(self) -> None:
-        """From now on a step shape that XLA compiles (not one loaded from the persistent cache)
-        is a compile while requests wait: logged as a warning and counted (`steps_compiled_after_ready`)."""
+        """From now on a shape that XLA compiles (not one loaded from the persistent cache) is a
+        compile while requests wait: logged as a warning and counted (`steps_compiled_after_ready`)."""
         self.ready = True
-
-    def _compiled_after_ready(self, key: tuple) -> None:
-        self.steps_compiled_after_ready += 1
-        packed_shape, chunk, config, prompt_top, verify = key
-        logger.warning("compiled a step after ready (rows %d, chunk %d, packed %s, %s, prompt logprobs %s, "
-                       "verify %s): requests waited for it", packed_shape[0], chunk, packed_shape, config,
-                       prompt_top, verify)
 
     @property
     def compiled_step_count(self) -> int:
-        """How many (B, T, P, sampler) variants have been compiled (jit's cache size)."""
-        return self._step._cache_size()
+        """How many model and sampler calls have been compiled (jit's cache sizes)."""
+        return self._model_step._cache_size() + self._sampler_step._cache_size()
 
 
-def _draw(logits: jax.Array, tokens: jax.Array, f: step_input.StepFields, processor_state,
-          config: SamplerConfig, verify: bool) -> tuple[Sampled, jax.Array, jax.Array | None]:
-    """Each row's draw from its logits ([B, vocab], or [B, T, vocab] when verifying drafts).
+class _WatchDispatch:
+    """`ModelRunner._watching`: compare XLA's compile count around a new key's first dispatch."""
 
-    Returns (the samples with their logprobs: [B] fields, [B, T] when verifying; each row's newest
-    token [B]; when verifying, accepted [B] int32: the drafts kept, so the host need not compare
+    def __init__(self, runner: ModelRunner, key):
+        self.runner, self.key = runner, key
+
+    def __enter__(self):
+        runner = self.runner
+        self.watched = runner.ready and self.key not in runner.seen
+        runner.seen.add(self.key)
+        self.before = compile_watch().compiled if self.watched else 0
+
+    def __exit__(self, *exc):
+        runner = self.runner
+        if self.watched and exc[0] is None and compile_watch().compiled > self.before:
+            runner.steps_compiled_after_ready += 1
+            if runner.precompiled:  # every shape of the grid was compiled at start-up: this one escaped it
+                logger.warning("compiled a %s after ready: requests waited for it", self.key)
+            else:  # eager (enforce_eager): shapes compile as they are first met, by choice
+                logger.info("compiled a %s on first use (eager: enforce_eager=False precompiles every shape at "
+                            "start-up)", self.key)
+        return False
+
+
+def _draw(logits: jax.Array, tokens: jax.Array | None, f: step_input.StepFields, processor_state,
+          config: SamplerConfig) -> tuple[Sampled, jax.Array, jax.Array | None]:
+    """Each row's draw from its logits ([R, vocab], or [B, T, vocab] with the verify rows' input
+    `tokens` [B, T]).
+
+    Returns (the samples with their logprobs: [R] fields, [B, T] when verifying; each row's newest
+    token [R]; when verifying, accepted [B] int32: the drafts kept, so the host need not compare
     tokens again, else None).
     """
     rows = SamplingRows(f.temperature, f.top_k, f.top_p, f.min_p, jax.lax.bitcast_convert_type(f.seed, jnp.uint32),
                         f.counter)
-    if verify:  # [B, T] samples: position j draws output token counter + j (see sampling.verify)
+    if tokens is not None:  # [B, T] samples: position j draws output token counter + j (see sampling.verify)
         sampled, last = verify_drafts(logits, tokens, f.count, rows, config)
         return sampled, last, num_accepted(sampled.tokens, tokens, f.count)  # the same ops: XLA computes them once
     edited = logits
     if config.processors:  # penalties, logit_bias, ...: the logits sampled from, not those reported
-        edited = logits_processors.apply(logits, processor_state, f.slot, logits_processors.ProcessorRows(
-            f.uses_state > 0, f.presence, f.frequency, f.repetition, f.min_tokens, f.counter))
-    sampled = sample(edited, rows, config, raw_logits=logits)
+        edited = jax.lax.cond(jnp.any(f.uses_state > 0), lambda: logits_processors.apply(
+            logits, processor_state, f.slot, logits_processors.ProcessorRows(
+                f.uses_state > 0, f.presence, f.frequency, f.repetition, f.min_tokens, f.counter)), lambda: logits)
+    sampled = sample(edited, rows, config, raw_logits=logits, wants_logprobs=f.wants_logprobs)
     return sampled, sampled.tokens, None

@@ -1,11 +1,21 @@
-"""A step's inputs as one packed int32 array (one host-to-device transfer): its layout, the host
-side that packs it and the device side that unpacks it, side by side.
+"""A model call's inputs as one flat int32 array (one host-to-device transfer): its layout, the
+host side that packs it and the device side that unpacks it, side by side.
 
-    packed [B, T + P + len(FIELDS)] int32 = [tokens [B, T] | block tables [B, P] | fields [B, F]]
+Two layouts (`CallShape.kind`), both a grid of B rows x T tokens:
+  "decode" / "verify"  B sequences, one row each: T = 1 (decode), or T = 1 + k (a verify row:
+                       the input and k drafts; also a draft model's catch-up), R = B sampling rows;
+  "prefill" / "prompt" one packed row (B = 1) of N = T tokens: several sequences' chunks back to
+                       back, and their block tables too (the row's table is their concatenation;
+                       `page_offsets` says where each token's sequence's blocks begin). R =
+                       `packed_samples(N)` sampling rows. "prompt" also returns the logprob of
+                       each token's next prompt token (`targets`).
 
-T is the chunk (tokens per row), P the block-table width; both are compile keys, B too. Each
-field is one int32 column per row; the float fields travel bit-cast. A padding row (B is a
-power of two) has slot = num_slots (its writes are dropped) and count 0.
+    flat = [tokens | positions | from_slot | page_offsets (packed) | targets (prompt)]  each [B * T]
+         + [block tables [B, W]] + [fields [R, F]]
+
+A padding token has position -1 (never stored, sees nothing); a padding sampling row has slot =
+num_slots (its writes are dropped). Each field is one int32 column per sampling row; the float
+fields travel bit-cast.
 """
 
 from __future__ import annotations
@@ -17,18 +27,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dcpjax.sampling import pow2_at_least
+PACKED_KINDS = ("prefill", "prompt")
+KINDS = ("decode", "verify", *PACKED_KINDS)
+
+
+class CallShape(NamedTuple):
+    """The static shape of one model call: its compile key (`dcpjax.runner.shape_grid`).
+
+    kind: "decode" | "verify" | "prefill" | "prompt" (see the module docstring); rows: B;
+    chunk: T tokens per row; width: W block-table entries per row; samples: R sampling rows.
+    """
+
+    kind: str
+    rows: int
+    chunk: int
+    width: int
+    samples: int
+
+    @property
+    def packed(self) -> bool:
+        return self.kind in PACKED_KINDS
+
+    @property
+    def token_arrays(self) -> tuple[str, ...]:
+        """The per-token arrays of this layout, in order."""
+        return (("tokens", "positions", "from_slot") + (("page_offsets",) if self.packed else ())
+                + (("targets",) if self.kind == "prompt" else ()))
+
+    def __str__(self) -> str:
+        rows = f"{self.rows} rows x {self.chunk} token{'s' if self.chunk > 1 else ''}" if not self.packed else \
+            f"{self.chunk} tokens"
+        return f"{self.kind} call of {rows}, block-table width {self.width}, {self.samples} sampling rows"
+
+    @property
+    def size(self) -> int:
+        """Length of the flat array."""
+        tokens = self.rows * self.chunk
+        return len(self.token_arrays) * tokens + self.rows * self.width + self.samples * len(FIELDS)
 
 
 class StepFields(NamedTuple):
-    """Per-row values of a step, [B] each (on the device: unpacked; float fields as float32)."""
+    """Per sampling row values of a call, [R] each (on the device: unpacked; float fields as float32)."""
 
-    start: jax.Array  # first position of the chunk
-    count: jax.Array  # tokens of the chunk (0: padding row)
+    sample_at: jax.Array  # flat index (b * T + t) of the row's last token: its logits are the row's
+    count: jax.Array  # tokens of the row's chunk (0: padding row)
     slot: jax.Array  # the sequence's slot (num_slots: padding)
-    device_input: jax.Array  # 1: the chunk's one input token is the slot's last sample, on the device
     samples: jax.Array  # 1: sample a token after the chunk
-    temperature: jax.Array  # float; TEMPERATURE .. USES_STATE are the request's fixed values
+    temperature: jax.Array  # float; TEMPERATURE .. WANTS_LOGPROBS are the request's fixed values
     top_k: jax.Array
     top_p: jax.Array  # float
     min_p: jax.Array  # float
@@ -38,31 +83,45 @@ class StepFields(NamedTuple):
     repetition: jax.Array  # float
     min_tokens: jax.Array
     uses_state: jax.Array  # 1: the request edits its logits (`logits_processors`)
+    wants_logprobs: jax.Array  # 1: the request reports its samples' logprobs
     counter: jax.Array  # tokens generated before this step's draw (the draw's index)
-    next: jax.Array  # the prompt token after the chunk (its last position's prompt logprob), or -1
 
 
 FIELDS = StepFields._fields
 COLUMN = {name: i for i, name in enumerate(FIELDS)}
 FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "presence", "frequency", "repetition"})
-REQUEST_FIELDS = FIELDS[COLUMN["temperature"] : COLUMN["uses_state"] + 1]  # fixed for a request's life
+REQUEST_FIELDS = FIELDS[COLUMN["temperature"] : COLUMN["wants_logprobs"] + 1]  # fixed for a request's life
 
 
 class StepInput(NamedTuple):
-    """The unpacked step on the device: tokens [B, T], block tables [B, P], and the fields."""
+    """The unpacked call on the device: per-token arrays [B, T], block tables [B, W], the fields [R]."""
 
     tokens: jax.Array
+    positions: jax.Array
+    from_slot: jax.Array  # the slot whose last sample is this token (-1: the host's token)
+    page_offsets: jax.Array | None  # packed layouts only
+    targets: jax.Array | None  # "prompt" only: the next prompt token (-1: none)
     block_tables: jax.Array
     fields: StepFields
 
 
-def unpack(packed: jax.Array, chunk: int) -> StepInput:
-    """packed [B, T + P + F] int32 (T = `chunk`) -> its named parts (inside the jitted step)."""
-    width = packed.shape[1] - chunk - len(FIELDS)
-    meta = packed[:, chunk + width :]
-    columns = {name: jax.lax.bitcast_convert_type(meta[:, i], jnp.float32) if name in FLOAT_FIELDS else meta[:, i]
-               for i, name in enumerate(FIELDS)}
-    return StepInput(packed[:, :chunk], packed[:, chunk : chunk + width], StepFields(**columns))
+def unpack(flat: jax.Array, shape: CallShape) -> StepInput:
+    """flat [shape.size] int32 -> its named parts (inside the jitted step)."""
+    b, t, n = shape.rows, shape.chunk, shape.rows * shape.chunk
+    arrays, offset = {}, 0
+    for name in shape.token_arrays:
+        arrays[name] = flat[offset : offset + n].reshape(b, t)
+        offset += n
+    tables = flat[offset : offset + b * shape.width].reshape(b, shape.width)
+    return StepInput(arrays["tokens"], arrays["positions"], arrays["from_slot"], arrays.get("page_offsets"),
+                     arrays.get("targets"), tables, unpack_fields(flat[offset + b * shape.width :]))
+
+
+def unpack_fields(meta: jax.Array) -> StepFields:
+    """The fields part of a flat input, [R * F] int32 -> named [R] columns (floats bit-cast back)."""
+    meta = meta.reshape(-1, len(FIELDS))
+    return StepFields(**{name: jax.lax.bitcast_convert_type(meta[:, i], jnp.float32) if name in FLOAT_FIELDS
+                         else meta[:, i] for i, name in enumerate(FIELDS)})
 
 
 def request_values(params, seed: int, uses_state: bool) -> np.ndarray:
@@ -71,7 +130,8 @@ def request_values(params, seed: int, uses_state: bool) -> np.ndarray:
     values = {"temperature": params.temperature, "top_k": top_k, "top_p": params.top_p, "min_p": params.min_p,
               "seed": np.uint32(seed % 2**32).view(np.int32), "presence": params.presence_penalty,
               "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
-              "min_tokens": params.min_tokens, "uses_state": int(uses_state)}
+              "min_tokens": params.min_tokens, "uses_state": int(uses_state),
+              "wants_logprobs": int(params.needs_logprobs)}
     return np.array([np.float32(values[f]).view(np.int32) if f in FLOAT_FIELDS else values[f]
                      for f in REQUEST_FIELDS], np.int32)
 
@@ -90,28 +150,33 @@ class RequestCache:
         return cached
 
 
-class PackedStep:
-    """The host side: a zeroed packed array for B rows (n of them real) to fill by name."""
+class PackedCall:
+    """The host side: a flat array for `shape` to fill by name (padding everywhere to start with).
 
-    def __init__(self, batch: int, num_rows: int, chunk: int, width: int, num_slots: int):
-        self.array = np.zeros((batch, chunk + width + len(FIELDS)), np.int32)
-        self.n, self.chunk, self.width = num_rows, chunk, width
-        self._meta = self.array[:, chunk + width :]
+    Per-token arrays are [B, T] views, the block tables a [B, W] view, a field a column of the
+    [R, F] view; n of the R sampling rows are real."""
+
+    def __init__(self, shape: CallShape, num_rows: int, num_slots: int):
+        self.shape, self.n = shape, num_rows
+        self.array = np.zeros(shape.size, np.int32)
+        b, t, offset = shape.rows, shape.chunk, 0
+        self._tokens = {}
+        for name in shape.token_arrays:
+            self._tokens[name] = self.array[offset : offset + b * t].reshape(b, t)
+            offset += b * t
+        self.block_tables = self.array[offset : offset + b * shape.width].reshape(b, shape.width)
+        self._meta = self.array[offset + b * shape.width :].reshape(shape.samples, len(FIELDS))
+        for name in ("positions", "from_slot", "targets"):
+            if name in self._tokens:
+                self._tokens[name][:] = -1
         self._meta[:, COLUMN["slot"]] = num_slots  # padding rows: no slot
-        self._meta[:, COLUMN["next"]] = -1
 
-    @property
-    def tokens(self) -> np.ndarray:
-        """[B, T] view: the chunks' input tokens."""
-        return self.array[:, : self.chunk]
-
-    @property
-    def block_tables(self) -> np.ndarray:
-        """[B, P] view."""
-        return self.array[:, self.chunk : self.chunk + self.width]
+    def tokens(self, name: str) -> np.ndarray:
+        """The [B, T] view of per-token array `name` (`CallShape.token_arrays`)."""
+        return self._tokens[name]
 
     def set(self, name: str, values, row: int | None = None) -> None:
-        """Column `name` of the real rows (or of one `row`), ints (a float field: floats)."""
+        """Field `name` of the real sampling rows (or of one `row`), ints (a float field: floats)."""
         values = np.asarray(values, np.float32).view(np.int32) if name in FLOAT_FIELDS else values
         rows = slice(0, self.n) if row is None else slice(row, row + 1)
         self._meta[rows, COLUMN[name]] = values
@@ -120,12 +185,3 @@ class PackedStep:
         """REQUEST_FIELDS of the real rows, [n, len(REQUEST_FIELDS)] int32 (from `RequestCache`)."""
         first = COLUMN[REQUEST_FIELDS[0]]
         self._meta[: self.n, first : first + len(REQUEST_FIELDS)] = values
-
-
-def width_bucket(pages: int) -> int:
-    """The block-table width a step with rows of up to `pages` blocks compiles for: a power of
-    two up to 8, then 8, 12, 16, 24, 32, 48, ... (2^k and 1.5 x 2^k). Attention reads every page
-    of the width: powers of two alone read up to twice what the rows hold, these steps less than
-    1.5 times, for one extra compile per octave."""
-    pow2 = pow2_at_least(pages)
-    return pow2 * 3 // 4 if pow2 >= 16 and pages <= pow2 * 3 // 4 else pow2

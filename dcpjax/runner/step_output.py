@@ -28,26 +28,30 @@ class StepResult:
     """A dispatched step: its rows, and its sampled output still on (or coming from) the device."""
 
     rows: list[ScheduledRow]
-    output: jax.Array  # [B] int32 tokens, or [B, 3 + 2 * num_top] float32 with logprobs ([B, T, ...] if verify)
+    output: jax.Array  # [R] int32 tokens, or [R, 3 + 2 * num_top] float32 with logprobs ([B, T, ...] if verify)
     config: SamplerConfig
-    prompt_output: jax.Array | None = None  # [B, T, 2 + 2 * prompt_top] float32: prompt logprobs
+    prompt_output: jax.Array | None = None  # [1, N, 2 + 2 * prompt_top] float32: prompt logprobs (packed)
     prompt_top: int | None = None
     # verifying drafts: [B] int32, the drafts each row kept; output then has a chunk axis,
     # [B, T(, ...)], the samples at every position
     accepted: jax.Array | None = None
+    token_offsets: np.ndarray | None = None  # [rows]: each row's first token in the call's flat tokens
 
     @property
     def verify(self) -> bool:
         return self.accepted is not None
 
     def fetch(self) -> dict[str, np.ndarray]:
-        """Block until the step is done; tokens [B], and with logprobs: logprobs, ranks, top_ids,
-        top_logprobs; with prompt logprobs "prompt": the same per chunk position, [B, T(, k)]; when
-        verifying drafts "num_accepted" [B]."""
+        """Block until the step is done; tokens [R], and with logprobs: logprobs, ranks, top_ids,
+        top_logprobs; with prompt logprobs "prompt": the same per chunk position of each row,
+        [rows, longest chunk(, k)]; when verifying drafts "num_accepted" [B]."""
         out = np.asarray(self.output)
         values = {"tokens": out} if self.config.num_top is None else _unpack_logprobs(out, self.config.num_top)
         if self.prompt_output is not None:
-            values["prompt"] = _unpack_logprobs(np.asarray(self.prompt_output), self.prompt_top, has_token=False)
+            flat = np.asarray(self.prompt_output).reshape(-1, self.prompt_output.shape[-1])
+            longest = max(row.count for row in self.rows)
+            at = np.minimum(self.token_offsets[:, None] + np.arange(longest)[None, :], flat.shape[0] - 1)
+            values["prompt"] = _unpack_logprobs(flat[at], self.prompt_top, has_token=False)
         if self.accepted is not None:
             values["num_accepted"] = np.asarray(self.accepted)
         return values

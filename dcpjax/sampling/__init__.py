@@ -3,11 +3,13 @@
 
 from dcpjax.sampling.params import MAX_LOGPROBS, MAX_LOGPROBS_LIMIT, SamplingParams
 from dcpjax.sampling.sampler import (
+    GREEDY,
     MIN_CANDIDATES,
     Sampled,
     SamplerConfig,
     SamplingRows,
     argmax,
+    full_config,
     pow2_at_least,
     sample,
     sampler_config,
@@ -15,6 +17,7 @@ from dcpjax.sampling.sampler import (
 )
 
 __all__ = [
+    "GREEDY",
     "MAX_LOGPROBS",
     "MAX_LOGPROBS_LIMIT",
     "MIN_CANDIDATES",
@@ -23,6 +26,7 @@ __all__ = [
     "SamplingParams",
     "SamplingRows",
     "argmax",
+    "full_config",
     "pow2_at_least",
     "sample",
     "sampler_config",

@@ -16,15 +16,15 @@ What a request needs lives in its slot's row of `ProcessorState`, on the device:
   last generated tokens, so a word's last token is banned when the tokens before it were just
   generated (vLLM matches bad words against the generated tokens only).
 
-The state is allocated the first time a request needs it (a step without such a request does
-not pass it), replicated over the mesh like the slot tokens. Values per row (the penalties,
-min_tokens, whether the row uses its slot's state) travel in the packed step input.
+The state lives on the device for the runner's life, replicated over the mesh like the slot
+tokens; an admitted request's rows are built dense on the host and written in one small call of
+fixed shapes (`install`). Values per row (the penalties, min_tokens, whether the row uses its
+slot's state) travel in the packed step input.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -110,60 +110,38 @@ def empty_state(num_slots: int, vocab_size: int) -> ProcessorState:
 
 
 class Install(NamedTuple):
-    """Rows to (re)write at admission, [A, ...] each, padded: slot = S and ids = V are dropped."""
+    """One admitted request's slot rows, dense (fixed shapes: one compile serves every request)."""
 
-    slots: np.ndarray  # [A] int32
-    bias_base: np.ndarray  # [A] float32
-    bias_ids: np.ndarray  # [A, K] int32
-    bias_values: np.ndarray  # [A, K] float32
-    flag_ids: np.ndarray  # [A, F] int32
-    flag_bits: np.ndarray  # [A, F] int8
-    output_ids: np.ndarray  # [A, O] int32: the tokens generated so far (after a preemption)
-    words: np.ndarray  # [A, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS] int32
-    history: np.ndarray  # [A, MAX_BAD_WORD_TOKENS - 1] int32
+    slot: np.ndarray  # [] int32
+    bias: np.ndarray  # [V] float32
+    flags: np.ndarray  # [V] int8
+    counts: np.ndarray  # [V] int32: the tokens generated so far (after a preemption)
+    words: np.ndarray  # [MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS] int32
+    history: np.ndarray  # [MAX_BAD_WORD_TOKENS - 1] int32
 
 
-def _padded(arrays: list[np.ndarray], fill, dtype) -> np.ndarray:
-    """Ragged rows -> [A, a power of two >= the longest] (few compile keys)."""
-    width = 1 << max(0, (max(len(a) for a in arrays) - 1).bit_length())
-    out = np.full((len(arrays), width), fill, dtype)
-    for i, a in enumerate(arrays):
-        out[i, : len(a)] = a
-    return out
+def make_install(seq, vocab_size: int) -> Install:
+    """The install of admitted sequence `seq` (with a `logits_spec`): its rows built on the host."""
+    spec = seq.logits_spec
+    bias = np.full(vocab_size, spec.bias_base, np.float32)
+    bias[spec.bias_ids] = spec.bias_values
+    flags = np.zeros(vocab_size, np.int8)
+    flags[spec.flag_ids] = spec.flag_bits
+    counts = np.bincount(np.asarray(seq.output_ids, np.int64), minlength=vocab_size)[:vocab_size].astype(np.int32)
+    words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), ANY, np.int32)
+    words[: len(spec.words)] = spec.words
+    history = np.full(MAX_BAD_WORD_TOKENS - 1, NONE, np.int32)
+    tail = seq.output_ids[-(MAX_BAD_WORD_TOKENS - 1):]
+    if tail:
+        history[-len(tail):] = tail
+    return Install(np.int32(seq.slot), bias, flags, counts, words, history)
 
 
-def make_install(seqs, num_slots: int, vocab_size: int) -> Install:
-    """The install of the admitted sequences `seqs` (each with a `logits_spec`)."""
-    rows = 1 << max(0, (len(seqs) - 1).bit_length())
-    pad = rows - len(seqs)
-    specs = [s.logits_spec for s in seqs]
-    history = np.full((rows, MAX_BAD_WORD_TOKENS - 1), NONE, np.int32)
-    words = np.full((rows, MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), ANY, np.int32)
-    for i, (seq, spec) in enumerate(zip(seqs, specs)):
-        words[i, : len(spec.words)] = spec.words
-        tail = seq.output_ids[-(MAX_BAD_WORD_TOKENS - 1):]
-        if tail:
-            history[i, -len(tail):] = tail
-    ragged = lambda get, fill, dtype: _padded([get(x) for x in zip(seqs, specs)] + [np.zeros(0)] * pad, fill, dtype)
-    return Install(
-        np.array([s.slot for s in seqs] + [num_slots] * pad, np.int32),
-        np.array([sp.bias_base for sp in specs] + [0.0] * pad, np.float32),
-        ragged(lambda x: x[1].bias_ids, vocab_size, np.int32), ragged(lambda x: x[1].bias_values, 0, np.float32),
-        ragged(lambda x: x[1].flag_ids, vocab_size, np.int32), ragged(lambda x: x[1].flag_bits, 0, np.int8),
-        ragged(lambda x: np.asarray(x[0].output_ids, np.int32), vocab_size, np.int32), words, history)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
 def install(state: ProcessorState, new: Install) -> ProcessorState:
-    """Write the admitted requests' rows (a whole row each: nothing of the slot's last owner stays)."""
-    a, v = new.bias_ids.shape[0], state.bias.shape[1]
-    rows = jnp.arange(a)[:, None]
-    bias = jnp.broadcast_to(new.bias_base[:, None], (a, v)).at[rows, new.bias_ids].set(new.bias_values, mode="drop")
-    flags = jnp.zeros((a, v), jnp.int8).at[rows, new.flag_ids].set(new.flag_bits, mode="drop")
-    counts = jnp.zeros((a, v), jnp.int32).at[rows, new.output_ids].add(1, mode="drop")
-    put = lambda table, value: table.at[new.slots].set(value, mode="drop")
-    return ProcessorState(put(state.counts, counts), put(state.flags, flags), put(state.bias, bias),
-                          put(state.words, new.words), put(state.history, new.history))
+    """Write an admitted request's rows (a whole row each: nothing of the slot's last owner stays);
+    jit it with the state donated (`ModelRunner`)."""
+    return ProcessorState(*(table.at[new.slot].set(row) for table, row in zip(
+        state, (new.counts, new.flags, new.bias, new.words, new.history))))
 
 
 class ProcessorRows(NamedTuple):

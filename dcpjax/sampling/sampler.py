@@ -3,8 +3,10 @@
 The sampler never sorts the whole vocabulary: greedy rows are an argmax; temperature
 and min_p are elementwise masks; top_k / top_p rows look at the `candidates` best tokens
 (`lax.top_k`) and draw among them; a nucleus that reaches past them (a flat
-distribution) is found by bisection on the cutoff logit over the whole vocabulary (32
-masked sums) and drawn from there, under a `lax.cond`, so only when it happens. Tokens whose logits tie at the cutoff are kept or
+distribution), or a top_k wider than them, is found by bisection on the cutoff logit over the
+whole vocabulary (32 masked sums each) and drawn from there, under a `lax.cond`, so only when it
+happens. A step compiles one of two configs (`sampler_config`): greedy, or one that serves every
+row, whose optional parts (candidates, logprobs) are skipped at run time when no row uses them. Tokens whose logits tie at the cutoff are kept or
 dropped together. Every draw's key depends only on (seed, counter): a seeded request
 reproduces whatever the batch: the Gumbel noise of a draw is a hash of (key, token id),
 so it does not depend on the batch, the number of candidates, or which path was taken.
@@ -12,13 +14,14 @@ so it does not depend on the batch, the number of candidates, or which path was 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from dcpjax.sampling.params import SamplingParams
+from dcpjax.sampling.params import MAX_LOGPROBS, SamplingParams
 
 
 class SamplerConfig(NamedTuple):
@@ -45,15 +48,24 @@ def pow2_at_least(n: int) -> int:
 
 
 
-def sampler_config(params: Sequence[SamplingParams], vocab_size: int, processors: bool = False) -> SamplerConfig:
+def sampler_config(params: Sequence[SamplingParams], vocab_size: int, processors: bool = False,
+                   max_logprobs: int = MAX_LOGPROBS) -> SamplerConfig:
     """The SamplerConfig for a step whose sampling rows use `params` (`processors`: some row edits
-    its logits)."""
-    random = [p for p in params if p.temperature > 0]
-    limits = [p.top_k for p in random if p.top_k > 0] + [MIN_CANDIDATES for p in random if p.top_p < 1]
-    candidates = min(vocab_size, pow2_at_least(max(limits))) if limits else 0
-    asked = [p.logprobs or 0 for p in params if p.needs_logprobs]
-    num_top = min(vocab_size, pow2_at_least(max(max(asked), 1))) if asked else None  # top_k needs k <= V
-    return SamplerConfig(not random, candidates, num_top, processors)
+    its logits): one of two, so that a step has two sampler variants to compile, not one per mix of
+    requests. GREEDY when every row is greedy and asks for nothing else; else `full_config`."""
+    if processors or any(p.temperature > 0 or p.needs_logprobs for p in params):
+        return full_config(vocab_size, max_logprobs)
+    return GREEDY
+
+
+def full_config(vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> SamplerConfig:
+    """The config that serves any row: random draws among `MIN_CANDIDATES` (a wider top_k or
+    nucleus by bisection), `max_logprobs` top logprobs and logits processors. What a row does
+    not use is skipped at run time (`lax.cond`s on the rows' values), not compiled out."""
+    return SamplerConfig(False, min(vocab_size, MIN_CANDIDATES), min(vocab_size, max(1, max_logprobs)), True)
+
+
+GREEDY = SamplerConfig()  # every row greedy, no logprobs, no logits processors: argmax only
 
 
 class SamplingRows(NamedTuple):
@@ -91,8 +103,9 @@ def _nucleus_cutoff(scaled, top_k, top_p, candidates: int):
     cutoff = jnp.min(jnp.where(keep, values, jnp.inf), axis=-1)
     filtered = (top_k > 0) | (top_p < 1)
     cutoff = jnp.where(filtered, cutoff, -jnp.inf)
-    # every candidate kept and the nucleus still open: tokens past the candidates may belong
-    too_few = filtered & keep[:, -1] & (top_k <= 0) & (candidates < vocab)
+    # tokens past the candidates may belong: top_k reaches past them (its renormalisation too), or
+    # every candidate is kept and the nucleus is still open
+    too_few = filtered & (candidates < vocab) & ((top_k > candidates) | (keep[:, -1] & (top_k <= 0)))
     return cutoff, too_few, values, ids
 
 
@@ -134,23 +147,33 @@ def _unsortable(key):
     return jax.lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
 
 
-def _bisect_top_p_cutoff(scaled, top_p):
-    """Per row, the smallest logit t with mass(scaled > t) < top_p, by bisection on t's
-    float ordering over the whole vocabulary (no sort): [B, V] -> [B]."""
-    probs = jax.nn.softmax(scaled, axis=-1)
+def _bisect(scaled, above, limit):
+    """Per row, the smallest logit t with above(t) < limit, by bisection on t's float ordering (32
+    masked reductions over the vocabulary, no sort). above: [B] threshold -> [B], non-increasing in t;
+    above(best logit) < limit. Ties at t are kept with it: t is always some token's logit."""
     best = jnp.max(scaled, axis=-1)
-    low = _sortable(jnp.full_like(best, -jnp.inf))  # mass above -inf is 1 >= top_p: not a cutoff
-    high = _sortable(best)  # mass above the best token is 0 < top_p: a cutoff
+    low = _sortable(jnp.full_like(best, -jnp.inf))
+    high = _sortable(best)
 
     def halve(_, bounds):
         low, high = bounds
         mid = (low >> 1) + (high >> 1) + (low & high & 1)  # no int32 overflow
-        above = jnp.sum(jnp.where(scaled > _unsortable(mid)[:, None], probs, 0.0), axis=-1)
-        ok = above < top_p
+        ok = above(_unsortable(mid)) < limit
         return jnp.where(ok, low, mid), jnp.where(ok, mid, high)
 
     low, high = jax.lax.fori_loop(0, 32, halve, (low, high))
     return _unsortable(high)
+
+
+def _bisect_cutoff(scaled, top_k, top_p):
+    """Per row, the smallest scaled logit that top_k and then top_p (on the top_k-renormalised
+    distribution) keep, over the whole vocabulary: [B, V] -> [B] (-inf: they keep all)."""
+    count = lambda t: jnp.sum(scaled > t[:, None], axis=-1)
+    k_cutoff = jnp.where(top_k > 0, _bisect(scaled, count, top_k), -jnp.inf)
+    probs = jax.nn.softmax(jnp.where(scaled >= k_cutoff[:, None], scaled, -jnp.inf), axis=-1)
+    mass = lambda t: jnp.sum(jnp.where(scaled > t[:, None], probs, 0.0), axis=-1)
+    p_cutoff = jnp.where(top_p < 1, _bisect(scaled, mass, top_p), -jnp.inf)
+    return jnp.maximum(k_cutoff, p_cutoff)
 
 
 ARGMAX_CHUNK = 64
@@ -176,54 +199,70 @@ def argmax(x: jax.Array) -> jax.Array:
     return best_chunk * ARGMAX_CHUNK + jnp.argmax(inside, axis=-1).astype(jnp.int32)
 
 
-def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig, raw_logits: jax.Array | None = None) -> Sampled:
+def sample(logits: jax.Array, rows: SamplingRows, config: SamplerConfig, raw_logits: jax.Array | None = None,
+           wants_logprobs: jax.Array | None = None) -> Sampled:
     """Pick one token per row of `logits` [B, V] float32 (the model's, after any logits processors).
 
     Filters apply as in vLLM: temperature, then top_k, then top_p on the top_k-renormalised
     distribution, and min_p relative to the best token; the best token always stays.
     Returned log-probabilities are of the raw logits (`raw_logits`, default `logits`; log_softmax),
-    as vLLM reports them.
+    as vLLM reports them, for `config.num_top` top tokens; `wants_logprobs` [B] (optional): when
+    no row asks, they are zeros and cost nothing.
     """
     greedy_tokens = argmax(logits)
-    if config.all_greedy:
-        tokens = greedy_tokens
-    else:
-        greedy = rows.temperature <= 0
-        scaled = logits / jnp.where(greedy, 1.0, rows.temperature)[:, None]
-        best = jnp.max(scaled, axis=-1)
-        cutoff = jnp.where(rows.min_p > 0, best + jnp.log(jnp.maximum(rows.min_p, 1e-30)), -jnp.inf)
-        key_bits = jax.vmap(lambda seed, count: jax.random.bits(jax.random.fold_in(jax.random.key(seed), count), (2,)))(
-            rows.seeds, rows.counters)  # [B, 2] uint32: the draw's key
-
-        def draw_from_vocabulary(cutoff):
-            ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
-            keep = scaled >= jnp.minimum(cutoff, best)[:, None]  # masked after the noise: never -inf + noise
-            return argmax(jnp.where(keep, scaled + _gumbel_noise(key_bits, ids), -jnp.inf))
-
-        if not config.candidates:
-            drawn = draw_from_vocabulary(cutoff)
-        else:
-            # A row whose kept set lies inside its candidates draws among them (K values, not
-            # V); the others draw from the whole vocabulary, under a cond so that this costs
-            # only when some row needs it. Which draw a row gets depends on that row alone,
-            # so a seeded request still reproduces whatever shares its batch.
-            nucleus, too_few, values, ids = _nucleus_cutoff(scaled, rows.top_k, rows.top_p, config.candidates)
-            filtered = (rows.top_k > 0) | (rows.top_p < 1)
-            inside = filtered & ~too_few
-            kept = jnp.minimum(jnp.maximum(cutoff, nucleus), best)[:, None]
-            noisy = jnp.where(values >= kept, values + _gumbel_noise(key_bits, ids), -jnp.inf)
-            among = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=1)[:, 0]
-            drawn = jax.lax.cond(
-                jnp.any(~inside & ~greedy),
-                lambda: draw_from_vocabulary(jnp.maximum(
-                    cutoff, jnp.where(too_few, _bisect_top_p_cutoff(scaled, rows.top_p), nucleus))),
-                lambda: jnp.zeros_like(among),
-            )
-            drawn = jnp.where(inside, among.astype(jnp.int32), drawn)
-        tokens = jnp.where(greedy, greedy_tokens, drawn)
+    tokens = greedy_tokens if config.all_greedy else _draw_random(logits, rows, config, greedy_tokens)
     if config.num_top is None:
         return Sampled(tokens)
-    return Sampled(tokens, *token_logprobs(logits if raw_logits is None else raw_logits, tokens, config.num_top))
+    raw = logits if raw_logits is None else raw_logits
+    reported = lambda: token_logprobs(raw, tokens, config.num_top)
+    if wants_logprobs is not None:
+        shapes = jax.eval_shape(reported)
+        reported = functools.partial(jax.lax.cond, jnp.any(wants_logprobs > 0), reported,
+                                     lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in shapes))
+    return Sampled(tokens, *reported())
+
+
+def _draw_random(logits, rows: SamplingRows, config: SamplerConfig, greedy_tokens):
+    """[B] tokens: the greedy rows' `greedy_tokens`, the others a seeded draw under their filters."""
+    greedy = rows.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, rows.temperature)[:, None]
+    best = jnp.max(scaled, axis=-1)
+    cutoff = jnp.where(rows.min_p > 0, best + jnp.log(jnp.maximum(rows.min_p, 1e-30)), -jnp.inf)
+    key_bits = jax.vmap(lambda seed, count: jax.random.bits(jax.random.fold_in(jax.random.key(seed), count), (2,)))(
+        rows.seeds, rows.counters)  # [B, 2] uint32: the draw's key
+
+    def draw_from_vocabulary(cutoff):
+        ids = jnp.broadcast_to(jnp.arange(scaled.shape[-1], dtype=jnp.int32), scaled.shape)
+        keep = scaled >= jnp.minimum(cutoff, best)[:, None]  # masked after the noise: never -inf + noise
+        return argmax(jnp.where(keep, scaled + _gumbel_noise(key_bits, ids), -jnp.inf))
+
+    if not config.candidates:
+        return jnp.where(greedy, greedy_tokens, draw_from_vocabulary(cutoff))
+    # A row whose kept set lies inside its candidates draws among them (K values, not V); the
+    # others draw from the whole vocabulary. Each part runs under a cond, so that it costs only
+    # when some row needs it. Which draw a row gets depends on that row alone, so a seeded
+    # request still reproduces whatever shares its batch.
+    filtered = ((rows.top_k > 0) | (rows.top_p < 1)) & ~greedy
+    batch = logits.shape[0]
+
+    def among_candidates():
+        nucleus, too_few, values, ids = _nucleus_cutoff(scaled, rows.top_k, rows.top_p, config.candidates)
+        kept = jnp.minimum(jnp.maximum(cutoff, nucleus), best)[:, None]
+        noisy = jnp.where(values >= kept, values + _gumbel_noise(key_bits, ids), -jnp.inf)
+        among = jnp.take_along_axis(ids, jnp.argmax(noisy, axis=-1)[:, None], axis=1)[:, 0]
+        return among.astype(jnp.int32), nucleus, too_few
+
+    among, nucleus, too_few = jax.lax.cond(
+        jnp.any(filtered), among_candidates,
+        lambda: (jnp.zeros(batch, jnp.int32), jnp.full(batch, -jnp.inf, scaled.dtype), jnp.zeros(batch, bool)))
+    inside = filtered & ~too_few
+    drawn = jax.lax.cond(
+        jnp.any(~inside & ~greedy),
+        lambda: draw_from_vocabulary(jnp.maximum(
+            cutoff, jnp.where(too_few, _bisect_cutoff(scaled, rows.top_k, rows.top_p), nucleus))),
+        lambda: jnp.zeros(batch, jnp.int32),
+    )
+    return jnp.where(greedy, greedy_tokens, jnp.where(inside, among, drawn))
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int):

@@ -67,7 +67,7 @@ def virtual_block_size(block_size: int, dcp: int) -> int:
     return block_size * dcp
 
 
-def paged_slot_mapping(pos, block_table, rank, block_size: int, dcp: int, interleave: int):
+def paged_slot_mapping(pos, block_table, rank, block_size: int, dcp: int, interleave: int, page_offsets=None):
     """Slot (`physical_block * block_size + offset`) of each position on `rank`.
 
     Args:
@@ -75,6 +75,8 @@ def paged_slot_mapping(pos, block_table, rank, block_size: int, dcp: int, interl
       block_table: [..., max_blocks] physical block ids, broadcast against `pos`
         on the leading dims (one table per sequence, shared by all DCP ranks).
       rank: this DCP rank (int or traced scalar).
+      page_offsets: optional [...] like `pos`: where each token's sequence's blocks begin in the
+        table (a packed row holds several sequences' tables back to back); None: 0.
 
     Returns:
       [...] int32 slots; `PAD_SLOT` where `rank` does not own the position.
@@ -87,6 +89,8 @@ def paged_slot_mapping(pos, block_table, rank, block_size: int, dcp: int, interl
         block_table.shape[:-1] + (1,) * (pos.ndim + 1 - block_table.ndim) + block_table.shape[-1:]
     )
     logical_block = pos // virtual_block_size(block_size, dcp)
+    if page_offsets is not None:
+        logical_block = logical_block + jnp.asarray(page_offsets)
     index = jnp.broadcast_to(logical_block[..., None], jnp.broadcast_shapes(pos.shape, block_table.shape[:-1]) + (1,))
     physical_block = jnp.take_along_axis(block_table, index, axis=-1)[..., 0]
     offset = local_index(pos, dcp, interleave) % block_size

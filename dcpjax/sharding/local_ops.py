@@ -17,34 +17,43 @@ from dcpjax.sharding.mesh import DCP_AXIS
 
 
 def owned_slots(positions: jax.Array, block_tables: jax.Array, block_size: int, pc: ParallelConfig,
-                valid: jax.Array | None = None) -> jax.Array:
+                valid: jax.Array | None = None, page_offsets: jax.Array | None = None) -> jax.Array:
     """Flat slot in this DCP rank's pool of each token, `PAD_SLOT` where the rank does not own it.
 
     positions: [B] or [B, T] token positions; block_tables [B, P] (shared by all ranks);
-    valid: optional mask like positions; invalid tokens (padding) are never stored.
+    valid: optional mask like positions; invalid tokens (padding) are never stored;
+    page_offsets: optional, like positions: where each token's sequence's blocks begin in its
+    row's table (packed rows), None: 0.
     Returns int32 slots shaped like positions, for `KVCache.write`.
     """
     rank = jax.lax.axis_index(DCP_AXIS)
-    slots = layout.paged_slot_mapping(positions, block_tables, rank, block_size, pc.dcp, pc.interleave)
+    slots = layout.paged_slot_mapping(positions, block_tables, rank, block_size, pc.dcp, pc.interleave, page_offsets)
     return slots if valid is None else jnp.where(valid, slots, layout.PAD_SLOT)
 
 
 def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConfig,
-                  options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+                  options: AttentionOptions, page_offsets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of this device's query heads over the DCP-split cache, merged exactly.
 
     Args:
       q: [B, T, q_heads / TP, dk], this device's heads (T queries per sequence).
       kv: this rank's cache shard with block_tables [B, P].
-      bounds: [B, T] global causal bounds: query t sees positions 0..bounds[b, t]-1.
+      bounds: [B, T] global causal bounds: query t sees positions 0..bounds[b, t]-1 of its sequence.
       options: scale, backend and the mesh's platform (picks the kernel).
+      page_offsets: optional [B, T], packed rows: where each query's sequence's blocks begin in
+        its row's table (its tokens on this rank are then [offset * block_size, + local length)).
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
     if pc.dcp > 1:  # the q heads of this device's whole KV-head group
         q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
     rank = jax.lax.axis_index(DCP_AXIS)
-    out, lse = attention(q, kv, layout.local_length(bounds, rank, pc.dcp, pc.interleave), options)
+    local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
+    starts = None
+    if page_offsets is not None:
+        starts = page_offsets * kv.block_size
+        local = starts + local
+    out, lse = attention(q, kv, local, options, starts)
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
     return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)

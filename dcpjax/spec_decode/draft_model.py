@@ -35,6 +35,8 @@ from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout
 from dcpjax.runner.model_runner import ModelRunner
+from dcpjax.runner.shape_grid import ShapeGrid
+from dcpjax.runner.step_output import StepResult
 from dcpjax.sequence import ScheduledRow
 
 
@@ -52,11 +54,13 @@ class DraftModel:
         return layout.bytes_per_block_per_device(self.cfg.num_hidden_layers, pc.kv_head_groups)
 
     def proposer(self, num_speculative_tokens: int, pc: ParallelConfig, mesh, target_kv: KVCacheLayout,
-                 attention_backend: str, max_num_seqs: int) -> DraftModelProposer:
-        """A proposer whose cache has the target's block count and block size, on the target's mesh."""
+                 grid: ShapeGrid, attention_backend: str, max_num_seqs: int) -> DraftModelProposer:
+        """A proposer whose cache has the target's block count and block size, on the target's mesh,
+        its calls on the target's grid."""
         layout = kv_block_layout(self.cfg, pc, block_size=target_kv.block_size, dtype=target_kv.dtype)
         layout.num_blocks = target_kv.num_blocks
-        runner = ModelRunner(self.cfg, pc, mesh, self.graphdef, self.state, layout, attention_backend, max_num_seqs)
+        runner = ModelRunner(self.cfg, pc, mesh, self.graphdef, self.state, layout, grid, attention_backend,
+                             max_num_seqs)
         return DraftModelProposer(runner, num_speculative_tokens)
 
 
@@ -68,8 +72,9 @@ class DraftModelProposer:
         # per sequence: the tokens whose draft KV is written (dropped with the sequence)
         self.computed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def _launch(self, rows: list[ScheduledRow], block_tables: np.ndarray):
-        return self.runner.launch(rows, *self.runner.prepare(rows, block_tables, greedy=True))
+    def _launch(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> list[StepResult]:
+        """Greedy draft calls of `rows` (a packed call may be split in several), dispatched."""
+        return [self.runner.launch(call) for call in self.runner.prepare(rows, block_tables, greedy=True)]
 
     def after_prefill(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
         """Compute the target's prefill chunks in the draft's cache too (nothing sampled)."""
@@ -102,8 +107,8 @@ class DraftModelProposer:
                      for row in going]
             calls.append((going, self._launch(steps, block_tables)))
         drafts = {id(row): [] for row in active}
-        for going, result in calls:
-            tokens = result.fetch()["tokens"]
+        for going, results in calls:
+            tokens = np.concatenate([r.fetch()["tokens"][: len(r.rows)] for r in results])
             for i, row in enumerate(going):
                 drafts[id(row)].append(int(tokens[i]))
         for row in active:
