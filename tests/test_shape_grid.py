@@ -19,9 +19,13 @@ def test_buckets():
     assert g.rows == (1, 2, 4, 8) and g.tokens == (16, 32, 64) and g.prompt_tokens == (16,)
     assert grid(max_num_batched_tokens=8).tokens == (8,)
     # powers of two from 128 tokens per rank (32 blocks of 4) up to the table
-    assert g.widths == (32, 40) and g.max_width == 40
+    assert g.widths == (32, 40)
+    # packed calls: up to a budget of new sequences' pages (64 / 8 + 6 rows: 14), here the table's 40
+    assert g.packed_widths == (32, 40) and g.max_packed_width == 40
+    assert grid(blocks_per_seq=3, max_num_batched_tokens=512).packed_widths == (32, 64, 70)
     assert grid(blocks_per_seq=1000, block_size=16).widths == (8, 16, 32, 64, 128, 256, 512, 1000)
     assert grid(whole_table=True).widths == (40,)  # a kernel that stops at each bound takes the whole table
+    assert grid(whole_table=True, blocks_per_seq=3, max_num_batched_tokens=512).packed_widths == (70,)
     assert grid(blocks_per_seq=3).widths == (3,)
 
 

@@ -6,7 +6,9 @@ Layouts (`ModelRunner.prepare` -> `CallBuilder.prepare`):
   rows    every row one token (decode), or drafts to verify, or a draft model's catch-up of at
           most 1 + k tokens: B rows of one sequence each;
   packed  anything longer (prefill chunks): one row of every chunk back to back, split into
-          several calls where their pages together would pass the widest table.
+          several calls where their pages together would pass the widest table (or, where
+          attention reads the whole table for every query, would make it read much more than
+          each row needs).
 """
 
 from __future__ import annotations
@@ -82,15 +84,21 @@ class CallBuilder:
         return layout.blocks_needed(row.start + row.count, self.block_size, self.dcp)
 
     def _packed_groups(self, rows: list[ScheduledRow]) -> list[list[ScheduledRow]]:
-        """Rows in order, cut where their pages together would pass the widest table."""
-        groups, pages = [[]], 0
+        """Rows in order, cut where their pages together would pass the widest packed table, and,
+        where attention reads every page of the table for every query (`ShapeGrid.whole_table`
+        False), where that would more than double the (query, page) pairs the rows need alone,
+        beyond the narrowest width: tokens x pages of the call <= 2 x sum of each row's own."""
+        grid, groups = self.grid, [[]]
+        tokens = pages = own = 0
         for row in rows:
             need = self._pages(row)
-            if groups[-1] and pages + need > self.grid.max_width:
+            t, p, o = tokens + row.count, pages + need, own + row.count * need
+            wasteful = not grid.whole_table and p > grid.packed_widths[0] and t * p > 2 * o
+            if groups[-1] and (p > grid.max_packed_width or wasteful):
                 groups.append([])
-                pages = 0
+                t, p, o = row.count, need, row.count * need
             groups[-1].append(row)
-            pages += need
+            tokens, pages, own = t, p, o
         return groups
 
     def _fill_rows(self, call: step_input.PackedCall, rows: list[ScheduledRow], offsets: np.ndarray,

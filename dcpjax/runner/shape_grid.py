@@ -14,7 +14,8 @@ tpu-inference precompiles its token and request paddings).
              the whole table: one width. One that reads every page of the width (the jnp
              reference, as on CPU; the TPU kernel, whose grid spans the pages) gets powers of
              two from `MIN_WIDTH_TOKENS` per rank up to the table: a call reads at most twice
-             the pages its longest row needs.
+             the pages its longest row needs. A packed call's table holds its rows' tables back
+             to back: its widths go up to what a full token budget of new sequences fills.
   samples R  decode / verify: B; packed: min(N, the largest row bucket): every sequence of a
              packed call has a token, and at most max_num_seqs run. The sampler is its own
              small program keyed by R (`SamplerShape`).
@@ -57,15 +58,18 @@ class SamplerShape(NamedTuple):
 class ShapeGrid:
     """The bucket lists of one engine (see the module docstring).
 
-    rows, tokens, prompt_tokens, widths: ascending buckets; tokens_per_block: a virtual block's
-    positions (block_size x DCP); verify_chunk: 1 + k with speculative decoding, else 0.
+    rows, tokens, prompt_tokens, widths (rows layout), packed_widths: ascending buckets;
+    tokens_per_block: a virtual block's positions (block_size x DCP); whole_table: attention
+    reads only the pages within bounds; verify_chunk: 1 + k with speculative decoding, else 0.
     """
 
     rows: tuple[int, ...]
     tokens: tuple[int, ...]
     prompt_tokens: tuple[int, ...]
     widths: tuple[int, ...]
+    packed_widths: tuple[int, ...]
     tokens_per_block: int
+    whole_table: bool = False
     verify_chunk: int = 0
 
     @classmethod
@@ -73,19 +77,21 @@ class ShapeGrid:
               blocks_per_seq: int, block_size: int, dcp: int, whole_table: bool,
               num_speculative_tokens: int = 0) -> ShapeGrid:
         """The grid of an engine. whole_table: attention walks only the pages within bounds (one width)."""
-        if whole_table:
-            widths = [blocks_per_seq]
-        else:
-            floor = pow2_at_least(-(-MIN_WIDTH_TOKENS // block_size))
-            widths = [w for w in powers_of_two(floor, blocks_per_seq) if w < blocks_per_seq] + [blocks_per_seq]
+        floor = pow2_at_least(-(-MIN_WIDTH_TOKENS // block_size))
+        widths = lambda top: (top,) if whole_table else tuple(
+            [w for w in powers_of_two(floor, top) if w < top] + [top])
         budget, prompt_budget = max_num_batched_tokens, min(max_num_batched_tokens, prompt_logprobs_tokens)
         least = lambda most: min(MIN_PACKED_TOKENS, pow2_at_least(most))
+        # a packed call of new sequences: each row's tokens, and at most one part-filled page each
+        packed_top = max(blocks_per_seq, -(-budget // (block_size * dcp)) + min(max_num_seqs, budget))
         return cls(
             rows=tuple(powers_of_two(1, max_num_seqs)),
             tokens=tuple(powers_of_two(least(budget), budget)),
             prompt_tokens=tuple(powers_of_two(least(prompt_budget), prompt_budget)),
-            widths=tuple(widths),
+            widths=widths(blocks_per_seq),
+            packed_widths=widths(packed_top),
             tokens_per_block=block_size * dcp,
+            whole_table=whole_table,
             verify_chunk=1 + num_speculative_tokens if num_speculative_tokens else 0,
         )
 
@@ -103,13 +109,13 @@ class ShapeGrid:
     def token_bucket(self, tokens: int, prompt: bool = False) -> int:
         return self._bucket(self.prompt_tokens if prompt else self.tokens, tokens, "tokens")
 
-    def width_bucket(self, pages: int) -> int:
-        return self._bucket(self.widths, pages, "pages")
+    def width_bucket(self, pages: int, packed: bool = False) -> int:
+        return self._bucket(self.packed_widths if packed else self.widths, pages, "pages")
 
     @property
-    def max_width(self) -> int:
-        """The most pages one call's row can hold (a packed call over it is split)."""
-        return self.widths[-1]
+    def max_packed_width(self) -> int:
+        """The most pages a packed call's table holds (a packed call over it is split)."""
+        return self.packed_widths[-1]
 
     def packed_samples(self, tokens: int) -> int:
         """R of a packed call of `tokens` (a bucket)."""
@@ -123,7 +129,8 @@ class ShapeGrid:
     def packed_call(self, tokens: int, pages: int, prompt: bool = False) -> CallShape:
         """The shape of a packed call of `tokens` tokens over `pages` concatenated pages."""
         n = self.token_bucket(tokens, prompt)
-        return CallShape("prompt" if prompt else "prefill", 1, n, self.width_bucket(pages), self.packed_samples(n))
+        return CallShape("prompt" if prompt else "prefill", 1, n, self.width_bucket(pages, packed=True),
+                         self.packed_samples(n))
 
     # -- every shape a runner can meet (for the precompile) ------------------------------------------
     def _least_pages(self, tokens: int) -> int:
@@ -145,7 +152,7 @@ class ShapeGrid:
         packed = [(n, False) for n in self.tokens] + ([(n, True) for n in self.prompt_tokens] if prompt_logprobs else [])
         for tokens, prompt in packed:
             least = self._least_pages(tokens)
-            for width in self.widths:
+            for width in self.packed_widths:
                 if width >= least:  # fewer pages cannot hold the tokens
                     shapes.append(self.packed_call(tokens, width, prompt))
         return list(dict.fromkeys(shapes))
@@ -160,4 +167,4 @@ class ShapeGrid:
         """One line for the logs: the buckets."""
         spec = f", verify chunk {self.verify_chunk}" if self.verify_chunk else ""
         return (f"rows {list(self.rows)}, tokens {list(self.tokens)} (prompt logprobs up to {self.prompt_tokens[-1]}), "
-                f"block-table widths {list(self.widths)}{spec}")
+                f"block-table widths {list(self.widths)} (packed calls {list(self.packed_widths)}){spec}")
