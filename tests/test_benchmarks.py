@@ -142,3 +142,13 @@ def test_compare_transformers_is_checked_before_anything_is_timed(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
     with pytest.raises(SystemExit, match=r"needs torch: pip install -e \"\.\[bench\]\""):
         throughput.check_transformers(str(ROOT / "tests" / "fixtures" / "qwen3"))
+
+
+@pytest.mark.e2e
+def test_compile_after_ready_smoke():
+    """A precompiled server (small grid) starts twice, the second from the first's cache, and a mixed
+    workload compiles nothing (the script exits 1 otherwise)."""
+    out = _run("benchmarks/compile_after_ready.py", "--tensor-parallel-size", "4", "--max-model-len", "96",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--requests", "24", "--max-prompt-chars", "40")
+    assert "start 2: ready in" in out and "0 XLA compiles" in out.splitlines()[2]
+    assert "0 failed; XLA compiles while serving: 0; step compilations after ready: 0" in out
