@@ -19,14 +19,15 @@ from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
 from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
 from dcpjax.loader.checkpoint import restore_state, save_state
 from dcpjax.loader.model_source import generation_defaults, model_source
-from dcpjax.loader.weights import ignored_checkpoint_tensor, load_state, model_rules
+from dcpjax.loader.rules import ignored_checkpoint_tensor, model_rules
+from dcpjax.loader.weights import load_state
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.gated_delta import CHUNK as GATED_DELTA_CHUNK
 from dcpjax.models.registry import build_model
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import precompile
 from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
-from dcpjax.runner.kv_budget import kv_bytes_per_device
-from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
+from dcpjax.runner.kv_budget import size_kv_cache
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
@@ -177,10 +178,20 @@ class LLM:
         self.model_config, self.tokenizer = source.config, source.tokenizer
         self.max_model_len = _checked_max_model_len(config.max_model_len, self.model_config)
         self.speculative_config = spec = config.speculative
+        if spec is not None and self.model_config.is_hybrid:
+            raise ValueError(f"speculative_config: speculative decoding is not supported for {self.model_config.architecture} "
+                             "(a hybrid model): its linear-attention layers' state cannot yet roll back rejected "
+                             "drafts; leave speculative_config unset")
         draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         graphdef, state = self._load_weights(self.model_config, source.weights, config.orbax_checkpoint)
         kv = self._size_kv_cache(cache_dtype, draft)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
+        if self.model_config.is_hybrid and self.scheduler_config.enable_prefix_caching:
+            # a cached prefix's KV is reusable, its linear-attention state at the block boundary is
+            # not kept (vLLM started the same way): every prompt computes its state from the start
+            logger.info("prefix caching: off for %s (a hybrid model: its linear-attention state at a cached "
+                        "block's boundary is not kept)", self.model_config.architecture)
+            self.scheduler_config = dataclasses.replace(self.scheduler_config, enable_prefix_caching=False)
         self.shape_grid = self._shape_grid(kv)
         logger.info("model call shapes: %s", self.shape_grid.describe())
         self.runner = ModelRunner(self.model_config, config.parallel, self.mesh, graphdef, state, kv, self.shape_grid,
@@ -203,7 +214,8 @@ class LLM:
             prompt_logprobs_tokens=PROMPT_LOGPROBS_TOKENS,
             blocks_per_seq=layout.blocks_needed(self.max_model_len, config.block_size, pc.dcp),
             block_size=config.block_size, dcp=pc.dcp, whole_table=reads_only_visible_pages(options, kv.block_size),
-            num_speculative_tokens=spec.num_speculative_tokens if spec else 0)
+            num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
+            packed_align=GATED_DELTA_CHUNK if self.model_config.is_hybrid else 1)
 
     def _start_engine(self, kv, proposer) -> None:
         """The engine over the runner, and the request builder in front of it."""
@@ -257,40 +269,17 @@ class LLM:
                                ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
         return graphdef, state
 
-    def _kv_bytes_for(self, num_seqs: int, cache_dtype, draft=None) -> int:
-        """KV bytes per device that `num_seqs` sequences of max_model_len fill (with a draft's cache)."""
-        cfg, pc, block_size = self.model_config, self.parallel_config, self.config.block_size
-        per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=cache_dtype).bytes_per_block_per_device(
-            cfg.num_hidden_layers, pc.kv_head_groups)
-        per_block += draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0
-        return num_seqs * layout.blocks_needed(self.max_model_len, block_size, pc.dcp) * per_block
-
     def _size_kv_cache(self, cache_dtype, draft=None):
-        """The KV cache layout for the configured bytes per device (by default, a share of device
-        memory, at most what max_num_seqs sequences fill); logs its size, checks that max_model_len
-        fits. With a draft model, the bytes are shared so that both caches hold the same number of
-        blocks (the draft's cache uses the target's block tables)."""
+        """The KV cache layout for the configured bytes per device (`runner.kv_budget.size_kv_cache`);
+        keeps its size (`kv_cache_size_tokens`) and the budget it was cut from."""
         config = self.config
-        bytes_per_device = kv_bytes_per_device(config.kv_cache_memory_bytes, config.gpu_memory_utilization, self.mesh,
-                                               self._kv_bytes_for(config.max_num_seqs, cache_dtype, draft))
-        block_size = config.block_size
-        cfg, pc = self.model_config, self.parallel_config
-        kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=cache_dtype, bytes_per_device=bytes_per_device,
-                             extra_bytes_per_block=draft.bytes_per_block(pc, block_size, cache_dtype) if draft else 0)
-        self.kv_cache_size_tokens = kv.num_blocks * block_size * pc.dcp
-        self.kv_cache_memory_bytes = bytes_per_device  # the budget per device the blocks were cut from
-        per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
-        platform = self.mesh.devices.flat[0].platform
-        logger.info("mesh %s over %d %s device(s)", dict(self.mesh.shape), pc.tp, platform)
-        logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)",
-                    self.kv_cache_size_tokens, kv.num_blocks, block_size, pc.dcp, per_device / 2**20)
-        needed = layout.blocks_needed(self.max_model_len, block_size, pc.dcp)
-        if needed > kv.num_blocks:
-            raise ValueError(
-                f"max_model_len={self.max_model_len} needs {needed} KV blocks but the cache holds {kv.num_blocks} "
-                f"({self.kv_cache_size_tokens} tokens); raise kv_cache_memory_bytes (--kv-cache-memory-bytes) or "
-                f"lower max_model_len (--max-model-len)"
-            )
+        kv, self.kv_cache_memory_bytes = size_kv_cache(
+            self.model_config, self.parallel_config, self.mesh, max_model_len=self.max_model_len,
+            block_size=config.block_size, max_num_seqs=config.max_num_seqs, dtype=cache_dtype,
+            requested=config.kv_cache_memory_bytes, utilization=config.gpu_memory_utilization,
+            draft_bytes_per_block=draft.bytes_per_block(self.parallel_config, config.block_size, cache_dtype)
+            if draft else 0)
+        self.kv_cache_size_tokens = kv.num_blocks * config.block_size * self.parallel_config.dcp
         return kv
 
     def reset_prefix_cache(self) -> bool:

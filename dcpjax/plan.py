@@ -52,6 +52,7 @@ FIELDS = {
     "kv_cache_dtype": (str, (*KV_DTYPES, "float8_e4m3fn").__contains__, f"one of {', '.join(KV_DTYPES)}"),
     "block_size": (int, lambda v: v >= 1, "an integer >= 1"),
     "hosts": (int, lambda v: v >= 1, "an integer >= 1"),
+    "max_num_seqs": (int, lambda v: v >= 1, "an integer >= 1"),  # a hybrid model's state slots
 }
 
 
@@ -111,6 +112,7 @@ class Deployment:
     kv_cache_dtype: str = "bfloat16"
     block_size: int = 16
     hosts: int = 1
+    max_num_seqs: int = 256  # vLLM's default; a hybrid model keeps a fixed state for each
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> Deployment:
@@ -121,7 +123,7 @@ class Deployment:
             device_memory_bytes=float(data["device_memory_bytes"]),
             memory_utilization=data.get("memory_utilization", 0.9), weight_dtype=data.get("weight_dtype", "bfloat16"),
             kv_cache_dtype=data.get("kv_cache_dtype", "bfloat16"), block_size=data.get("block_size", 16),
-            hosts=data.get("hosts", 1),
+            hosts=data.get("hosts", 1), max_num_seqs=data.get("max_num_seqs", 256),
         )
 
 
@@ -148,17 +150,19 @@ def memory_plan(d: Deployment) -> dict:
     except ValueError as err:
         raise ValueError(f"{d.name}: {err}") from None
     weights = weight_bytes_per_device(cfg, pc, d.weight_dtype)
-    budget = d.device_memory_bytes * d.memory_utilization - weights
+    state = d.max_num_seqs * cfg.linear_state_bytes(pc.tp)  # a hybrid's fixed state, one per slot
+    budget = d.device_memory_bytes * d.memory_utilization - weights - state
     if budget <= 0:
         raise ValueError(f"{d.name}: weights ({weights / GB:.1f} GB per device) exceed "
                          f"{d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; raise "
                          "tensor_parallel_size or use float8_e4m3fn weights (python -m dcpjax.plan --model FILE "
                          "says what fits)")
     kv = kv_cache_layout(cfg, pc, block_size=d.block_size, bytes_per_device=budget, dtype=kv_dtype(d.kv_cache_dtype))
-    per_block = kv.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups)
+    per_block = kv.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups)
     return dict(
         name=d.name, tp=pc.tp, dcp=pc.dcp, hosts=d.hosts,
         weight_gb_per_device=weights / GB,
+        state_gb_per_device=state / GB,
         kv_budget_gb_per_device=budget / GB,
         kv_bytes_per_token_per_device=per_block / d.block_size / pc.dcp,
         kv_cache_size_tokens=kv.num_blocks * d.block_size * pc.dcp,

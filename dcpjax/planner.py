@@ -72,7 +72,7 @@ def _traffic(cfg: ModelConfig, pc: ParallelConfig, batch: int, q_bytes: int) -> 
         dk, dv = cfg.latent_dim, cfg.kv_lora_rank
     else:
         dk = dv = cfg.head_dim
-    return {comm: cfg.num_hidden_layers * dcp_collective_bytes(tp=pc.tp, dcp=pc.dcp, q_heads=cfg.num_attention_heads,
+    return {comm: cfg.num_kv_layers * dcp_collective_bytes(tp=pc.tp, dcp=pc.dcp, q_heads=cfg.num_attention_heads,
                                                                dk=dk, dv=dv, batch=batch, q_bytes=q_bytes, comm=comm)
             for comm in COLLECTIVES_PER_LAYER}
 
@@ -95,9 +95,12 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     row = {"tp": pc.tp, "dcp": pc.dcp, "valid": True, "rejected_by": None, "rules_broken": []}
     if broken:
         return _rejected(row, "rules", broken)
-    budget = device.memory_gb * GB * utilization - weight_bytes
+    # a hybrid's linear-attention layers keep a fixed state per sequence: one per engine slot
+    # (--concurrency slots, as max_num_seqs), taken before the KV blocks
+    state = cfg.linear_state_bytes(pc.tp)
+    budget = device.memory_gb * GB * utilization - weight_bytes - workload.concurrency * state
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
-        cfg.num_hidden_layers, pc.kv_head_groups)
+        cfg.num_kv_layers, pc.kv_head_groups)
     if budget < per_block:
         why = f"weights ({weight_bytes / GB:.4g} GB per device) leave no room for KV in {utilization:.0%} of "
         return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
@@ -107,7 +110,7 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     per_seq = workload.input_len + workload.output_len
     fit = tokens // per_seq
     row |= {"kv_cache_size_tokens": tokens, "kv_bytes_per_token_per_device": per_token, "sequences_that_fit": fit,
-            "weight_bytes_per_device": weight_bytes}
+            "weight_bytes_per_device": weight_bytes, "state_bytes_per_sequence_per_device": state}
     if fit == 0:
         why = f"one sequence of {per_seq:,} tokens (input + output) needs more than the {tokens:,} tokens the KV cache"
         return _rejected(row, "context", [f"{why} holds"])
@@ -115,10 +118,12 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     context = workload.input_len + workload.output_len / 2  # the mean over the decode
     kv_read = batch * context * per_token
     traffic = _traffic(cfg, pc, batch, q_bytes)
-    hbm = (weight_bytes + kv_read) / (device.hbm_tbps * 1e12)
-    steps = {comm: hbm + (traffic[comm] / (link.gbps * GB) + cfg.num_hidden_layers * n * link.latency_us * 1e-6
+    state_traffic = 2 * batch * state  # each decoding sequence's state read and written back
+    hbm = (weight_bytes + kv_read + state_traffic) / (device.hbm_tbps * 1e12)
+    steps = {comm: hbm + (traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * n * link.latency_us * 1e-6
                           if pc.dcp > 1 else 0.0) for comm, n in COLLECTIVES_PER_LAYER.items()}
-    return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "collective_bytes_per_step": traffic,
+    return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "state_bytes_per_step": state_traffic,
+                  "collective_bytes_per_step": traffic,
                   "step_seconds": steps, "hbm_seconds": hbm,
                   "tokens_per_second": {comm: batch / s for comm, s in steps.items()}}
 
@@ -160,6 +165,8 @@ def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload
     base = valid[0]
     best = max(valid, key=lambda r: max(r["tokens_per_second"].values()))  # ties: the smaller DCP
     attention = "MLA (one latent per token)" if cfg.use_mla else f"{cfg.num_key_value_heads} KV heads"
+    if cfg.is_hybrid:
+        attention += f" in {cfg.num_kv_layers} of {cfg.num_hidden_layers} layers (the others keep a fixed state)"
     gain = valid[-1]["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
     shape = f"{workload.concurrency} x ({workload.input_len} in + {workload.output_len} out)"
     reasons = [f"model: {attention}: DCP {valid[-1]['dcp']} holds {gain:.1f}x the tokens of DCP {base['dcp']}",
@@ -212,15 +219,16 @@ LEGEND = (
     "DCP: decode context parallel size; DCP re-uses the TP ranks, so every size runs on the same TP devices",
     ("verdict: valid, or why not: a ParallelConfig / layout rule, no room for KV after the weights, or not one "
      "sequence fits"),
-    "KV tokens: tokens the KV cache holds, all DCP ranks together, in the memory the weights leave",
+    ("KV tokens: tokens the KV cache holds, all DCP ranks together, in the memory the weights (and a hybrid "
+     "model's fixed state per sequence, --concurrency of them) leave; only full-attention layers have KV"),
     "fit: sequences of input + output tokens the cache holds at once",
     "batch: sequences decoded in one step, the fewer of --concurrency and fit",
     ("KV read / step / device: KV bytes one device reads in one decode step, batch x mean context "
      "(input + output / 2) x KV bytes per token per device; DCP d leaves each device 1/d of every sequence"),
     ("collectives / step / device: bytes one device receives to merge DCP's partial attention, all layers, with "
      "the ag_rs and a2a backends (none at DCP 1)"),
-    ("step ms: roofline of one decode step, (weights + KV read) / HBM bandwidth, plus collective bytes / link "
-     "bandwidth and the link's latency per collective"),
+    ("step ms: roofline of one decode step, (weights + KV read + a hybrid's state read and written) / HBM "
+     "bandwidth, plus collective bytes / link bandwidth and the link's latency per collective"),
     "tok/s (best): output tokens per second of the replica, batch / step time, with the faster backend",
 )
 
@@ -273,4 +281,9 @@ def plan_table(plan: dict) -> str:
                      f"| {c['ag_rs'] / 1e6:,.2f} / {c['a2a'] / 1e6:,.2f} MB "
                      f"| {t['ag_rs'] * 1e3:.2f} / {t['a2a'] * 1e3:.2f} | {max(r['tokens_per_second'].values()):,.0f} |")
     lines += ["", *(f"  {entry}" for entry in LEGEND), *(f"  {note}" for note in kv_read_notes(plan["sizes"]))]
+    if state := next((r["state_bytes_per_sequence_per_device"] for r in plan["sizes"]
+                      if r.get("state_bytes_per_sequence_per_device")), 0):
+        lines.append(f"  linear-attention state: {state / 1e6:,.2f} MB per sequence per device at every DCP size "
+                     f"({plan['workload']['concurrency']} sequences: {plan['workload']['concurrency'] * state / GB:,.2f}"
+                     " GB), beside the KV")
     return "\n".join([*lines, "", *recommendation_lines(plan)])

@@ -1,4 +1,5 @@
-"""The oracle for tests and the demo: single-device decode attention in float64 numpy.
+"""The oracles for tests and the demo, in float64 numpy: single-device decode attention, and
+Gated DeltaNet's causal convolution and gated delta rule token by token.
 
 Independent of every jax code path (no jnp, no sharding), so agreement with it
 is evidence, not self-consistency.
@@ -28,6 +29,31 @@ def attention_f64(q, k, v, lengths, sm_scale: float | None = None):
     with np.errstate(divide="ignore"):
         lse = np.where(total > 0, peak[..., 0] + np.log(total), -np.inf)
     return out, lse
+
+
+def causal_conv_f64(x, weight):
+    """One sequence from its start: x [T, C], weight [C, K] -> silu(sum_i w[:, i] x[t - K + 1 + i])."""
+    x, weight = np.asarray(x, np.float64), np.asarray(weight, np.float64)
+    taps = weight.shape[1]
+    padded = np.concatenate([np.zeros((taps - 1, x.shape[1])), x])
+    y = sum(padded[i : i + len(x)] * weight[:, i] for i in range(taps))
+    return y / (1 + np.exp(-y))
+
+
+def gated_delta_f64(q, k, v, g, beta):
+    """One sequence from a zero state, token by token: q, k [T, H, dk], v [T, H, dv], g, beta [T, H]
+    -> out [T, H, dv] (q and k L2-normalised, q scaled by dk^-0.5), as the recurrent reference."""
+    q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+    norm = lambda a: a / np.sqrt((a * a).sum(-1, keepdims=True) + 1e-6)
+    q, k = norm(q) * q.shape[-1] ** -0.5, norm(k)
+    state = np.zeros((q.shape[1], q.shape[2], v.shape[2]))
+    out = np.zeros(v.shape)
+    for t in range(len(q)):
+        state = state * np.exp(g[t])[:, None, None]
+        delta = (v[t] - np.einsum("hde,hd->he", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hde,hd->he", state, q[t])
+    return out
 
 
 def assert_close_to_oracle(out, lse, want_out, want_lse, atol: float, rtol: float = 0.0) -> None:

@@ -1,7 +1,7 @@
 """Whole models against Hugging Face transformers (fixtures from tests/fixtures/make_hf_fixtures.py).
 
 Greedy tokens must be identical and the top-5 log-probabilities of every generated
-step within 1e-3, for prompts of 1 to 200 tokens and 20 new tokens, across meshes,
+step within 1e-3, for prompts of 1 to 200 tokens (300 for the hybrid) and 20 new tokens, across meshes,
 comm backends, interleave sizes and attention backends. No torch needed here.
 """
 
@@ -38,8 +38,18 @@ MLA_CASES = [
     (4, 4, 1, "ag_rs", "pallas"),
     (8, 8, 1, "a2a", "pallas"),
 ]
+# the hybrid: DCP on its full-attention layer (2 KV heads: DCP up to TP / 2), linear heads over all TP devices;
+# prompts of 1 to 300 tokens, prefilled in packed chunks of a 64-token budget
+HYBRID_CASES = [
+    (1, 1, 1, "ag_rs", "reference"),
+    (4, 2, 2, "a2a", "reference"),
+    (8, 2, 1, "a2a", "reference"),
+    (8, 4, 1, "ag_rs", "reference"),
+    (8, 4, 2, "a2a", "pallas"),
+]
 PARAMS = (
     [(name, *case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
+    + [("qwen3-next", *case) for case in HYBRID_CASES]
     + [("qwen2", *case) for case in (CASES[0], CASES[6], CASES[7])]  # q/k/v bias, linear RoPE, tied embeddings
     + [("deepseek-v3", *case) for case in MLA_CASES]
 )
@@ -67,6 +77,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(name, tp, dcp, interleave
 
 @pytest.mark.parametrize("name, tp, dcp, interleave, comm", [
     ("qwen2", 1, 1, 1, "ag_rs"),
+    ("qwen3-next", 8, 2, 2, "ag_rs"),
     ("llama3-rope", 8, 2, 4, "ag_rs"),
     ("qwen3", 4, 2, 2, "a2a"),
     ("deepseek-v3", 8, 8, 2, "a2a"),

@@ -6,7 +6,8 @@ import pytest
 import dcpjax
 from dcpjax import LLM, SamplingParams
 from dcpjax.engine.output_processor import OutputProcessor
-from dcpjax.loader.weights import DictSource, load_state, model_rules, random_checkpoint
+from dcpjax.loader.rules import model_rules
+from dcpjax.loader.weights import DictSource, load_state, random_checkpoint
 from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.models.registry import build_model
 from dcpjax.runner.step_input import CallShape

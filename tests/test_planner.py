@@ -4,6 +4,7 @@ bytes are what the runner allocates, its collective bytes are what a compiled st
 import dataclasses
 import functools
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from hypothesis import strategies as st
 import dcpjax
 from dcpjax import cli, plan, planner
 from dcpjax.config import ParallelConfig
-from dcpjax.models.config import TINY_MODELS
+from dcpjax.kernels import KVPools, LinearState
+from dcpjax.models.config import TINY_MODELS, ModelConfig
 from dcpjax.sharding.traffic import hlo_collective_bytes
 
 LLAMA = TINY_MODELS["tiny-llama"]
@@ -56,6 +58,24 @@ def test_kv_capacity_is_what_the_runner_allocates(model, tp, dcp):
     assert row["kv_cache_size_tokens"] == llm.kv_cache_size_tokens
     allocated = sum(cache.bytes_per_device() for cache in llm.runner.kv_caches)
     assert row["kv_bytes_per_token_per_device"] * llm.kv_cache_size_tokens == pytest.approx(allocated)
+
+
+@pytest.mark.parametrize("dcp", [1, 4])
+def test_a_hybrids_kv_and_state_are_what_the_runner_allocates(dcp):
+    """Qwen3-Next: KV for its one full-attention layer only, and a fixed state per slot (WORKLOAD's
+    concurrency as max_num_seqs) taken from the same budget before the blocks."""
+    folder = pathlib.Path(__file__).parent / "fixtures" / "qwen3-next"
+    cfg, pc, budget = ModelConfig.from_pretrained(folder), ParallelConfig(8, dcp), 3 << 20
+    row = _row(cfg, pc, memory_gb=budget / 1e9)
+    llm = dcpjax.LLM(str(folder), tensor_parallel_size=8, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
+                     max_model_len=256, max_num_seqs=WORKLOAD.concurrency)
+    assert row["kv_cache_size_tokens"] == llm.kv_cache_size_tokens
+    caches = llm.runner.kv_caches
+    kv = sum(c.bytes_per_device() for c in caches if isinstance(c, KVPools))
+    state = sum(c.bytes_per_device() for c in caches if isinstance(c, LinearState))
+    assert row["kv_bytes_per_token_per_device"] * llm.kv_cache_size_tokens == pytest.approx(kv)
+    assert row["state_bytes_per_sequence_per_device"] * WORKLOAD.concurrency == state > 0
+    assert row["state_bytes_per_step"] == 2 * row["batch"] * row["state_bytes_per_sequence_per_device"]
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])

@@ -43,7 +43,8 @@ def test_pack_then_unpack_gives_every_field_back():
 
 def test_a_packed_call_carries_page_offsets_and_prompt_targets():
     shape = CallShape("prompt", 1, 8, 6, 4)
-    assert shape.packed and shape.token_arrays == ("tokens", "positions", "from_slot", "page_offsets", "targets")
+    assert shape.packed and shape.token_arrays == ("tokens", "positions", "from_slot", "seq_slots", "page_offsets",
+                                                   "targets")
     call = step_input.PackedCall(shape, 2, 16)
     call.tokens("tokens")[0, :5] = [1, 2, 3, 4, 5]
     call.tokens("page_offsets")[0, 3:5] = 2
@@ -54,7 +55,8 @@ def test_a_packed_call_carries_page_offsets_and_prompt_targets():
     assert x.tokens.shape == (1, 8) and x.page_offsets[0].tolist() == [0, 0, 0, 2, 2, 0, 0, 0]
     assert x.targets[0].tolist() == [2, 3, -1, -1, -1, -1, -1, -1]
     assert x.block_tables[0].tolist() == [11, 12, 13, 0, 0, 0] and x.fields.sample_at.tolist() == [2, 4, 0, 0]
-    assert call.array.size == shape.size == 5 * 8 + 6 + 4 * len(step_input.FIELDS)
+    assert x.seq_slots[0].tolist() == [16] * 8  # no token set: every one padding
+    assert call.array.size == shape.size == 6 * 8 + 6 + 4 * len(step_input.FIELDS)
 
 
 def test_a_request_is_packed_once_and_dropped_with_it():

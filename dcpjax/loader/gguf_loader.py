@@ -3,7 +3,7 @@
 Read with the `gguf` package (llama.cpp's own reader): `GGUFReader` maps the file,
 `gguf.quants.dequantize` turns any quantization type it supports into float32. The
 tensors are exposed under their Hugging Face names and shapes (`GGUFSource`), so the
-same `weights.model_rules` load them as they load safetensors, each device reading
+same `rules.model_rules` load them as they load safetensors, each device reading
 only its slice: a slice of whole rows is cut from the file before dequantizing (a
 quantization block never spans two rows); a slice of columns needs the whole row.
 

@@ -1,7 +1,7 @@
 """Hugging Face weights -> sharded parameters, each device reading only its slice.
 
-Every dcpjax parameter has a rule that maps the part a device holds (an index of
-slices into the dcpjax layout) to the slice of the Hugging Face tensor it comes
+Every dcpjax parameter has a rule (`dcpjax.loader.rules`) that maps the part a device holds (an
+index of slices into the dcpjax layout) to the slice of the Hugging Face tensor it comes
 from, so `jax.make_array_from_callback` reads exactly those bytes from a
 `TensorSource`: safetensors files, a GGUF file (`dcpjax.loader.gguf_loader.GGUFSource`, the same
 Hugging Face names and shapes) or an in-memory state dict for random tiny models.
@@ -11,11 +11,9 @@ and zeros after it (`read_padded`).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -24,10 +22,9 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from dcpjax.config import ParallelConfig
+from dcpjax.loader.rules import IGNORED_CHECKPOINT_TENSORS, Rule, _bounds, model_rules
 from dcpjax.models.config import ModelConfig
-from dcpjax.sharding.mesh import kv_head_slots, logical_spec
-
-IGNORED_CHECKPOINT_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
+from dcpjax.sharding.mesh import logical_spec
 
 
 # -- where tensors come from -------------------------------------------------------------
@@ -88,187 +85,6 @@ class SafetensorsSource(TensorSource):
 
     def read(self, name, index):
         return np.asarray(self.handles[self.weight_map[name]].get_slice(name)[index])
-
-
-# -- rules: dcpjax layout <- checkpoint layout ------------------------------------------------
-def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
-    return [s.indices(n)[:2] for s, n in zip(index, shape)]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """How one dcpjax parameter is read: the checkpoint tensors it comes from (name ->
-    shape) and `read(source, index, shape)`, the slice mapping."""
-
-    tensors: dict[str, tuple[int, ...]]
-    read: Callable[[TensorSource, tuple[slice, ...], tuple[int, ...]], np.ndarray]
-
-
-def same(hf_name, hf_shape) -> Rule:
-    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx))
-
-
-def transposed(hf_name, hf_shape) -> Rule:
-    """dcpjax [in, out] <- torch Linear [out, in]."""
-    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx[::-1]).T)
-
-
-def stacked_experts(hf_names: list[str], hf_shape: tuple[int, int]) -> Rule:
-    """dcpjax [experts, in, out] <- one torch Linear [out, in] per expert."""
-
-    def read(src, idx, shape):
-        (x0, x1), (i0, i1), (o0, o1) = _bounds(idx, shape)
-        return np.stack([src.read(hf_names[e], (slice(o0, o1), slice(i0, i1))).T for e in range(x0, x1)])
-
-    return Rule({name: hf_shape for name in hf_names}, read)
-
-
-def head_rows(hf_name, heads: int, head_dim: int, repeats: int, hidden: int | None) -> Rule:
-    """q/k/v projection ([heads*d, hidden] -> [hidden, slots, d]) or bias ([heads*d] -> [slots, d]).
-
-    Slot s holds head s // repeats (KV heads repeated over the "tp" groups).
-    """
-
-    def read(src, idx, shape):
-        bounds = _bounds(idx, shape)
-        (s0, s1), (d0, d1) = bounds[-2], bounds[-1]
-        h0, h1 = s0 // repeats, (s1 - 1) // repeats + 1
-        rows = slice(h0 * head_dim, h1 * head_dim)
-        if hidden is None:  # bias
-            block = src.read(hf_name, (rows,)).reshape(h1 - h0, head_dim)
-        else:
-            e0, e1 = bounds[0]
-            block = src.read(hf_name, (rows, slice(e0, e1))).reshape(h1 - h0, head_dim, e1 - e0)
-        block = np.repeat(block, repeats, axis=0)[s0 - h0 * repeats : s1 - h0 * repeats, d0:d1]
-        return block if hidden is None else np.moveaxis(block, 2, 0)
-
-    hf_shape = (heads * head_dim,) if hidden is None else (heads * head_dim, hidden)
-    return Rule({hf_name: hf_shape}, read)
-
-
-def output_heads(hf_name, heads: int, head_dim: int, hidden: int) -> Rule:
-    """O projection: [hidden, heads*d] -> [heads, d, hidden]."""
-
-    def read(src, idx, shape):
-        (h0, h1), (d0, d1), (e0, e1) = _bounds(idx, shape)
-        block = src.read(hf_name, (slice(e0, e1), slice(h0 * head_dim, h1 * head_dim)))
-        return np.moveaxis(block.reshape(e1 - e0, h1 - h0, head_dim), 0, 2)[:, d0:d1]
-
-    return Rule({hf_name: (hidden, heads * head_dim)}, read)
-
-
-def kv_b_part(hf_name, heads: int, nope: int, v: int, lora: int, part: str) -> Rule:
-    """MLA's kv_b_proj [heads*(nope+v), lora] -> W_UK [heads, nope, lora] or W_UV [heads, v, lora]."""
-    offset = 0 if part == "k" else nope
-
-    def read(src, idx, shape):
-        (h0, h1), (d0, d1), (c0, c1) = _bounds(idx, shape)
-        block = src.read(hf_name, (slice(h0 * (nope + v), h1 * (nope + v)), slice(c0, c1)))
-        return block.reshape(h1 - h0, nope + v, c1 - c0)[:, offset + d0 : offset + d1]
-
-    return Rule({hf_name: (heads * (nope + v), lora)}, read)
-
-
-def mlp_rules(ours: str, hf: str, hidden: int, intermediate: int) -> dict[str, Rule]:
-    return {
-        f"{ours}.gate": transposed(f"{hf}.gate_proj.weight", (intermediate, hidden)),
-        f"{ours}.up": transposed(f"{hf}.up_proj.weight", (intermediate, hidden)),
-        f"{ours}.down": transposed(f"{hf}.down_proj.weight", (hidden, intermediate)),
-    }
-
-
-def expert_rules(ours: str, hf: str, cfg: ModelConfig) -> dict[str, Rule]:
-    e, moe, experts = cfg.hidden_size, cfg.moe_intermediate_size, range(cfg.num_experts)
-    names = lambda proj: [f"{hf}.experts.{x}.{proj}.weight" for x in experts]
-    return {
-        f"{ours}.router": transposed(f"{hf}.gate.weight", (cfg.num_experts, e)),
-        f"{ours}.gate": stacked_experts(names("gate_proj"), (moe, e)),
-        f"{ours}.up": stacked_experts(names("up_proj"), (moe, e)),
-        f"{ours}.down": stacked_experts(names("down_proj"), (e, moe)),
-    }
-
-
-def gqa_attention_rules(ours: str, hf: str, cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
-    e, d, heads, kv = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    repeats = kv_head_slots(kv, pc) // kv
-    rules = {
-        f"{ours}.q_proj": head_rows(f"{hf}.q_proj.weight", heads, d, 1, e),
-        f"{ours}.k_proj": head_rows(f"{hf}.k_proj.weight", kv, d, repeats, e),
-        f"{ours}.v_proj": head_rows(f"{hf}.v_proj.weight", kv, d, repeats, e),
-        f"{ours}.o_proj": output_heads(f"{hf}.o_proj.weight", heads, d, e),
-    }
-    if cfg.attention_bias:
-        rules |= {
-            f"{ours}.q_bias": head_rows(f"{hf}.q_proj.bias", heads, d, 1, None),
-            f"{ours}.k_bias": head_rows(f"{hf}.k_proj.bias", kv, d, repeats, None),
-            f"{ours}.v_bias": head_rows(f"{hf}.v_proj.bias", kv, d, repeats, None),
-        }
-    if cfg.qk_norm:
-        rules |= {
-            f"{ours}.q_norm.weight": same(f"{hf}.q_norm.weight", (d,)),
-            f"{ours}.k_norm.weight": same(f"{hf}.k_norm.weight", (d,)),
-        }
-    return rules
-
-
-def mla_attention_rules(ours: str, hf: str, cfg: ModelConfig) -> dict[str, Rule]:
-    e, heads, lora = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    nope, rope, v = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    rules = {
-        f"{ours}.kv_a": transposed(f"{hf}.kv_a_proj_with_mqa.weight", (lora + rope, e)),
-        f"{ours}.kv_a_norm.weight": same(f"{hf}.kv_a_layernorm.weight", (lora,)),
-        f"{ours}.w_uk": kv_b_part(f"{hf}.kv_b_proj.weight", heads, nope, v, lora, "k"),
-        f"{ours}.w_uv": kv_b_part(f"{hf}.kv_b_proj.weight", heads, nope, v, lora, "v"),
-        f"{ours}.o_proj": output_heads(f"{hf}.o_proj.weight", heads, v, e),
-    }
-    if cfg.q_lora_rank:
-        rules |= {
-            f"{ours}.q_a": transposed(f"{hf}.q_a_proj.weight", (cfg.q_lora_rank, e)),
-            f"{ours}.q_a_norm.weight": same(f"{hf}.q_a_layernorm.weight", (cfg.q_lora_rank,)),
-            f"{ours}.q_b": head_rows(f"{hf}.q_b_proj.weight", heads, nope + rope, 1, cfg.q_lora_rank),
-        }
-    else:
-        rules[f"{ours}.q_proj"] = head_rows(f"{hf}.q_proj.weight", heads, nope + rope, 1, e)
-    return rules
-
-
-def model_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
-    """dcpjax parameter path -> Rule, for every supported architecture."""
-    e = cfg.hidden_size
-    rules = {
-        "embed.weight": same("model.embed_tokens.weight", (cfg.vocab_size, e)),
-        "norm.weight": same("model.norm.weight", (e,)),
-    }
-    if not cfg.tie_word_embeddings:
-        rules["lm_head.weight"] = transposed("lm_head.weight", (cfg.vocab_size, e))
-    for i in range(cfg.num_hidden_layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        rules |= {
-            f"{ours}.input_norm.weight": same(f"{hf}.input_layernorm.weight", (e,)),
-            f"{ours}.post_attention_norm.weight": same(f"{hf}.post_attention_layernorm.weight", (e,)),
-        }
-        if cfg.use_mla:
-            rules |= mla_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg)
-        else:
-            rules |= gqa_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg, pc)
-        if i not in cfg.sparse_layers:
-            rules |= mlp_rules(f"{ours}.mlp", f"{hf}.mlp", e, cfg.intermediate_size)
-            continue
-        rules |= expert_rules(f"{ours}.mlp", f"{hf}.mlp", cfg)
-        if cfg.use_mla:  # DeepSeek-V3: routing bias and shared experts
-            rules[f"{ours}.mlp.correction_bias"] = same(f"{hf}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
-            if cfg.n_shared_experts:
-                rules |= mlp_rules(f"{ours}.mlp.shared", f"{hf}.mlp.shared_experts", e,
-                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
-    return rules
-
-
-def ignored_checkpoint_tensor(cfg: ModelConfig, name: str) -> bool:
-    """Tensors a checkpoint may carry that dcpjax does not use (rotary caches, MTP layers)."""
-    if IGNORED_CHECKPOINT_TENSORS.match(name):
-        return True
-    layer = re.match(r"model\.layers\.(\d+)\.", name)
-    return layer is not None and int(layer.group(1)) >= cfg.num_hidden_layers  # DeepSeek's next-token layers
 
 
 # -- loading -------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ class StepContext:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "positions", "valid", "sample_index", "block_tables", "page_offsets", "slots"],
+    data_fields=["tokens", "positions", "valid", "sample_index", "block_tables", "seq_slots", "page_offsets",
+                 "slots"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,8 @@ class StepBatch:
     tokens, positions, valid: [B, T] (padding has valid False); positions are each token's
     position in its own sequence. sample_index: [R], the flat indices (b * T + t) of the tokens
     whose next-token logits are wanted. block_tables: [B, P], shared by all DCP ranks.
+    seq_slots: [B, T], the engine slot of each token's sequence (num_slots for padding): where
+    a linear-attention layer keeps that sequence's state.
     page_offsets: None, or [B, T] for packed rows (several sequences' chunks in one row, their
     block tables back to back in the row's): where each token's sequence's blocks begin.
     slots: [B * T], where this DCP rank stores each token (`PAD_SLOT` if it does not own it):
@@ -55,8 +58,14 @@ class StepBatch:
     valid: jax.Array
     sample_index: jax.Array
     block_tables: jax.Array
+    seq_slots: jax.Array
     page_offsets: jax.Array | None = None
     slots: jax.Array | None = None
+
+    @property
+    def packed(self) -> bool:
+        """One row holds several sequences' chunks (a packed prefill call), not one sequence a row."""
+        return self.page_offsets is not None
 
     @property
     def causal_bounds(self) -> jax.Array:
@@ -74,12 +83,13 @@ class DecoderLayer(nnx.Module):
     """x + attention(norm(x)), then + mlp(norm(x))."""
 
     def __init__(self, cfg: ModelConfig, dtype, attention: nnx.Module, mlp: nnx.Module):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.attention = attention
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
+        self.attention = attention  # or another token mixer with the same call (linear attention)
+        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
         self.mlp = mlp
 
-    def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
+    def __call__(self, x, batch: StepBatch, kv, ctx: StepContext):
+        """kv: the layer's cache (`KVPools`, or a linear-attention layer's `LinearState`)."""
         attended, kv = self.attention(self.input_norm(x), batch, kv, ctx)
         x = x + attended
         return x + self.mlp(self.post_attention_norm(x)), kv
@@ -92,7 +102,7 @@ class CausalLM(nnx.Module):
         vocab = cfg.vocab_size  # padded for the mesh by the parameters (PADDABLE_AXES)
         self.embed = VocabEmbedding(vocab, cfg.hidden_size, dtype, pc)
         self.layers = nnx.List([make_layer(i) for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype, pc)
         self.vocab_size = cfg.vocab_size
 
@@ -105,12 +115,13 @@ class CausalLM(nnx.Module):
           kv_caches: per layer, this rank's `KVPools`: pools [kv_heads_local, num_blocks, block_size, d],
             heads first (MLA: one latent pool, kv_heads_local 1, v None); fp8 scales
             [kv_heads_local, num_blocks, block_size] or None; the step's block tables come with the batch.
+            A linear-attention layer's is its `LinearState` (per slot).
           all_positions: logits at every position (prompt logprobs, drafts), not only at sample_index.
         Returns:
           logits [R, vocab] (or [B, T, vocab] with all_positions) float32 (replicated) and the
           updated kv_caches.
         """
-        batch = batch.on_rank(kv_caches[0].block_size, ctx.pc)
+        batch = batch.on_rank(next(c.block_size for c in kv_caches if isinstance(c, KVPools)), ctx.pc)
         x = self.embed(batch.tokens)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):

@@ -14,7 +14,9 @@ from typing import Any
 
 LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 DEEPSEEK_FAMILY = ("DeepseekV3ForCausalLM",)
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY
+HYBRID_FAMILY = ("Qwen3NextForCausalLM",)  # linear-attention layers with a state, a few full-attention ones
+SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -96,11 +98,52 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    # Qwen3-Next: which layers are Gated DeltaNet (linear attention, a fixed-size state per
+    # sequence) and which full attention (a KV cache, under DCP); the full layers' sigmoid output
+    # gate and partial RoPE; (1 + w) RMSNorms; a gated shared expert beside the routed ones
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    attention_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_offset: float = 0.0
+    shared_expert_intermediate_size: int = 0
     eos_token_id: tuple[int, ...] = ()
 
     @property
     def use_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Some layers keep a recurrent state instead of a KV cache."""
+        return LINEAR_ATTENTION in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache (the full-attention ones): what KV bytes per token count."""
+        return sum(not self.is_linear(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of a head that RoPE rotates (partial rotary: a fraction of head_dim)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def linear_state_bytes(self, linear_heads_ways: int = 1) -> int:
+        """Bytes of one sequence's state in all linear-attention layers (float32), on a device that
+        holds 1 / `linear_heads_ways` of the heads: the causal convolution's last kernel - 1 inputs
+        and the [value heads, key dim, value dim] delta-rule state."""
+        layers = self.num_hidden_layers - self.num_kv_layers
+        conv = (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim) * (self.linear_conv_kernel_dim - 1)
+        recurrent = self.linear_num_value_heads * self.linear_key_head_dim * self.linear_value_head_dim
+        return layers * 4 * (conv + recurrent) // linear_heads_ways
 
     @property
     def latent_dim(self) -> int:
@@ -128,7 +171,9 @@ class ModelConfig:
         first_sparse = config.get("first_k_dense_replace", 0)
         sparse = tuple(i for i in range(layers)
                        if experts and i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
-        mla = {}
+        mla, hybrid = {}, {}
+        if architecture in HYBRID_FAMILY:
+            hybrid = _hybrid_fields(config, layers)
         if architecture in DEEPSEEK_FAMILY:
             mla = dict(
                 q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
@@ -154,7 +199,7 @@ class ModelConfig:
             max_position_embeddings=config.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
             rope=RopeConfig.from_hf(config),
             sliding_window=window,
             num_experts=experts,
@@ -163,6 +208,7 @@ class ModelConfig:
             norm_topk_prob=bool(config.get("norm_topk_prob", False)),
             sparse_layers=sparse,
             **mla,
+            **hybrid,
             eos_token_id=eos,
         )
 
@@ -180,6 +226,28 @@ class ModelConfig:
                 f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which dcpjax "
                 f"does not implement; set max_model_len <= {self.sliding_window} (got {max_model_len})"
             )
+
+
+def _hybrid_fields(config: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Qwen3-Next's fields (transformers' defaults where a config leaves one out)."""
+    types = config.get("layer_types")
+    if types is None:  # every full_attention_interval-th layer is full attention
+        interval = config.get("full_attention_interval", 4)
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    if len(types) != layers or unknown:
+        raise ValueError(f"layer_types must name each of the {layers} layers {FULL_ATTENTION!r} or "
+                         f"{LINEAR_ATTENTION!r}; got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''}")
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    return dict(
+        layer_types=tuple(types), linear_num_key_heads=config.get("linear_num_key_heads", 16),
+        linear_num_value_heads=config.get("linear_num_value_heads", 32),
+        linear_key_head_dim=config.get("linear_key_head_dim", 128),
+        linear_value_head_dim=config.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=config.get("linear_conv_kernel_dim", 4), attention_output_gate=True,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))),
+        norm_offset=1.0, shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
+    )
 
 
 # Built-in tiny configurations with random weights: the embedded default runs anywhere.

@@ -58,16 +58,19 @@ def unsplittable_dims(state: nnx.State, pc: ParallelConfig) -> list[str]:
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) * weight, computed in float32 (as the reference implementations do)."""
+    """x / rms(x) * (weight + offset), computed in float32 (as the reference implementations do).
 
-    def __init__(self, dim: int, eps: float, dtype, axis: str | None = "embed"):
-        self.weight = param((dim,), (axis,), dtype, init="ones")
-        self.eps = eps
+    offset 1: checkpoints that store the weight centred on 0 (Gemma, Qwen3-Next)."""
+
+    def __init__(self, dim: int, eps: float, dtype, axis: str | None = "embed", offset: float = 0.0):
+        self.weight = param((dim,), (axis,), dtype, init="zeros" if offset else "ones")
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * normed.astype(x.dtype)
+        weight = self.weight[...] + self.offset if self.offset else self.weight[...]
+        return weight * normed.astype(x.dtype)
 
 
 class GatedMLP(nnx.Module):
@@ -80,8 +83,11 @@ class GatedMLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
-        h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-        return reduce_model(h @ self.down[...])
+        return reduce_model(self.partial(x))
+
+    def partial(self, x: jax.Array) -> jax.Array:
+        """This device's share of the output, before the reduction over all TP devices."""
+        return (jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
 
 
 class VocabEmbedding(nnx.Module):
@@ -150,15 +156,19 @@ def routed_experts(x, experts, weights, w_gate, w_up, w_down):
 
 
 class SparseMoE(nnx.Module):
-    """Top-k softmax-routed experts (Qwen3-MoE); each expert's FFW split over all TP devices."""
+    """Top-k softmax-routed experts (Qwen3-MoE); each expert's FFW split over all TP devices.
+    With `shared_intermediate` (Qwen3-Next, Qwen2-MoE) a shared expert runs on every token too,
+    scaled by a sigmoid gate of its own."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype,
-                 pc: ParallelConfig):
+                 pc: ParallelConfig, shared_intermediate: int = 0):
         self.router = param((hidden, num_experts), ("embed", None), dtype)
         self.gate = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
         self.up = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
         self.down = param((num_experts, intermediate, hidden), ("experts", "moe_ffw", "embed"), dtype, pc=pc)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.shared = GatedMLP(hidden, shared_intermediate, dtype, pc) if shared_intermediate else None
+        self.shared_gate = param((hidden, 1), ("embed", None), dtype) if shared_intermediate else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
@@ -168,4 +178,6 @@ class SparseMoE(nnx.Module):
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         out = routed_experts(flat, experts, weights, self.gate[...], self.up[...], self.down[...])
+        if self.shared is not None:  # both partial sums, then one reduction
+            out = out + jax.nn.sigmoid(flat @ self.shared_gate[...]) * self.shared.partial(flat)
         return reduce_model(out).reshape(x.shape)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -27,9 +28,15 @@ from dcpjax.sharding.mesh import kv_head_slots, reduce_model
 
 
 class LlamaAttention(nnx.Module):
+    """GQA over the paged DCP cache. Qwen3-Next's full-attention layers add a sigmoid output gate
+    (q_proj gives each head's query and gate side by side), RoPE on a part of each head
+    (`rotary_dim`) and (1 + w) q/k norms."""
+
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
         heads, slots, d, hidden = cfg.num_attention_heads, kv_head_slots(cfg.num_key_value_heads, pc), cfg.head_dim, cfg.hidden_size
-        self.q_proj = param((hidden, heads, d), ("embed", "q_heads", "head_dim"), dtype)
+        self.output_gate = cfg.attention_output_gate
+        q_width = 2 * d if self.output_gate else d
+        self.q_proj = param((hidden, heads, q_width), ("embed", "q_heads", "head_dim"), dtype)
         self.k_proj = param((hidden, slots, d), ("embed", "kv_heads", "head_dim"), dtype)
         self.v_proj = param((hidden, slots, d), ("embed", "kv_heads", "head_dim"), dtype)
         self.o_proj = param((heads, d, hidden), ("q_heads", "head_dim", "embed"), dtype)
@@ -38,11 +45,19 @@ class LlamaAttention(nnx.Module):
             self.k_bias = param((slots, d), ("kv_heads", "head_dim"), dtype, init="zeros")
             self.v_bias = param((slots, d), ("kv_heads", "head_dim"), dtype, init="zeros")
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim")
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim")
-        inv_freq, self.rope_factor = rope_frequencies(cfg.rope, d)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim", offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim", offset=cfg.norm_offset)
+        self.rotary_dim = cfg.rotary_dim
+        inv_freq, self.rope_factor = rope_frequencies(cfg.rope, self.rotary_dim)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: plain floats, not a Variable
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
+
+    def _rope(self, x, positions):
+        """RoPE on the first `rotary_dim` dims of each head (all of them unless partial)."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, positions, self.inv_freq, self.rope_factor)
+        rotated = apply_rope(x[..., : self.rotary_dim], positions, self.inv_freq, self.rope_factor)
+        return jnp.concatenate([rotated, x[..., self.rotary_dim :]], axis=-1)
 
     def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
         """x [B, T, hidden]; kv: this rank's K/V pools [kv_heads_local, blocks, block_size, head_dim].
@@ -51,28 +66,33 @@ class LlamaAttention(nnx.Module):
         """
         positions = batch.positions
         q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+        gate = None
+        if self.output_gate:  # each head's query, then its gate
+            q, gate = jnp.split(q, 2, axis=-1)
         k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
         v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.has_qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, self.inv_freq, self.rope_factor)
-        k = apply_rope(k, positions, self.inv_freq, self.rope_factor)
+        q, k = self._rope(q, positions), self._rope(k, positions)
 
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # [B, T, H, d] -> [B * T, H, d]
         kv = kv.write(flat(k), flat(v), batch.slots)
         options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
         out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options,
                                batch.page_offsets)
-        out = out_projection(out.astype(x.dtype), self.o_proj[...])
+        out = out.astype(x.dtype)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate)
+        out = out_projection(out, self.o_proj[...])
         return reduce_model(out), kv
 
 
 def llama_mlp(cfg: ModelConfig, pc: ParallelConfig, dtype, index: int) -> nnx.Module:
     if index in cfg.sparse_layers:
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                         cfg.norm_topk_prob, dtype, pc)
+                         cfg.norm_topk_prob, dtype, pc, shared_intermediate=cfg.shared_expert_intermediate_size)
     return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
 
 

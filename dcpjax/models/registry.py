@@ -12,9 +12,11 @@ from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM
 from dcpjax.models.layers import unsplittable_dims
 from dcpjax.models.llama import LlamaForCausalLM
+from dcpjax.models.qwen3_next import Qwen3NextForCausalLM
 from dcpjax.sharding.mesh import logical_spec
 
-MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+                                                                     "Qwen3NextForCausalLM": Qwen3NextForCausalLM}
 
 
 def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:

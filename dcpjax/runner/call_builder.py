@@ -47,12 +47,14 @@ class CallBuilder:
 
     block_size, dcp: a page's tokens per rank and the DCP size (a virtual block is their
     product); num_slots: max_num_seqs (a padding row's slot); vocab_size, max_logprobs: what the
-    full sampler takes."""
+    full sampler takes; align: a packed call gives each sequence a whole number of `align` token
+    places, its padding after its tokens (linear attention's chunk, `models.gated_delta.CHUNK`:
+    a chunk then never holds two sequences)."""
 
     def __init__(self, grid: ShapeGrid, block_size: int, dcp: int, num_slots: int, vocab_size: int,
-                 max_logprobs: int):
+                 max_logprobs: int, align: int = 1):
         self.grid, self.block_size, self.dcp, self.max_num_seqs = grid, block_size, dcp, num_slots
-        self.vocab_size, self.max_logprobs = vocab_size, max_logprobs
+        self.vocab_size, self.max_logprobs, self.align = vocab_size, max_logprobs, align
         self.requests = step_input.RequestCache()  # each request's fixed sampling values, packed once
 
     def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray, greedy: bool = False) -> list[PreparedCall]:
@@ -69,7 +71,7 @@ class CallBuilder:
             return [self._prepare_rows(rows, block_tables, config, verify, greedy)]
         prompt = any(r.wants_prompt_logprobs for r in rows) and not greedy
         return [self._prepare_packed(group, block_tables, config, prompt, greedy)
-                for group in self._packed_groups(rows)]
+                for group in self._packed_groups(rows, prompt)]
 
     def _config(self, rows: list[ScheduledRow], greedy: bool) -> SamplerConfig:
         if greedy:
@@ -83,20 +85,26 @@ class CallBuilder:
         """Block-table entries the row's chunk reaches."""
         return layout.blocks_needed(row.start + row.count, self.block_size, self.dcp)
 
-    def _packed_groups(self, rows: list[ScheduledRow]) -> list[list[ScheduledRow]]:
-        """Rows in order, cut where their pages together would pass the widest packed table, and,
-        where attention reads every page of the table for every query (`ShapeGrid.whole_table`
-        False), where that would more than double the (query, page) pairs the rows need alone,
-        beyond the narrowest width: tokens x pages of the call <= 2 x sum of each row's own."""
+    def _room(self, count: int) -> int:
+        """Token places a row of `count` tokens takes in a packed call."""
+        return -(-count // self.align) * self.align
+
+    def _packed_groups(self, rows: list[ScheduledRow], prompt: bool) -> list[list[ScheduledRow]]:
+        """Rows in order, cut where their pages together would pass the widest packed table, or
+        their token places the largest token bucket (with `align` > 1), and, where attention reads
+        every page of the table for every query (`ShapeGrid.whole_table` False), where that would
+        more than double the (query, page) pairs the rows need alone, beyond the narrowest width:
+        tokens x pages of the call <= 2 x sum of each row's own."""
         grid, groups = self.grid, [[]]
+        most_tokens = (grid.prompt_tokens if prompt else grid.tokens)[-1]
         tokens = pages = own = 0
         for row in rows:
-            need = self._pages(row)
-            t, p, o = tokens + row.count, pages + need, own + row.count * need
+            need, room = self._pages(row), self._room(row.count)
+            t, p, o = tokens + room, pages + need, own + row.count * need
             wasteful = not grid.whole_table and p > grid.packed_widths[0] and t * p > 2 * o
-            if groups[-1] and (p > grid.max_packed_width or wasteful):
+            if groups[-1] and (p > grid.max_packed_width or t > most_tokens or wasteful):
                 groups.append([])
-                t, p, o = row.count, need, row.count * need
+                t, p, o = room, need, row.count * need
             groups[-1].append(row)
             tokens, pages, own = t, p, o
         return groups
@@ -107,9 +115,11 @@ class CallBuilder:
         (each row's first token in the flat token grid)."""
         n = len(rows)
         column = lambda values: np.fromiter(values, np.int32, n)
-        tokens, positions, from_slot = (call.tokens(name).reshape(-1) for name in ("tokens", "positions", "from_slot"))
+        tokens, positions, from_slot, seq_slots = (call.tokens(name).reshape(-1)
+                                                   for name in ("tokens", "positions", "from_slot", "seq_slots"))
         for row, at in zip(rows, offsets):
             positions[at : at + row.count] = np.arange(row.start, row.start + row.count)
+            seq_slots[at : at + row.count] = row.seq.slot
             if row.device_input:  # a decode row's token is the slot's last sample, still on the device
                 from_slot[at] = row.seq.slot
             else:
@@ -138,10 +148,10 @@ class CallBuilder:
     def _prepare_packed(self, rows, block_tables, config, prompt: bool, greedy: bool) -> PreparedCall:
         """One row of every chunk back to back, their block tables too (`step_input`)."""
         pages = np.fromiter((self._pages(r) for r in rows), np.int32, len(rows))
-        shape = self.grid.packed_call(sum(r.count for r in rows), int(pages.sum()), prompt)
+        rooms = np.fromiter((self._room(r.count) for r in rows), np.int32, len(rows))
+        shape = self.grid.packed_call(int(rooms.sum()), int(pages.sum()), prompt)
         call = step_input.PackedCall(shape, len(rows), self.max_num_seqs)
-        counts = np.fromiter((r.count for r in rows), np.int32, len(rows))
-        offsets = (np.cumsum(counts) - counts).astype(np.int32)
+        offsets = (np.cumsum(rooms) - rooms).astype(np.int32)
         page_starts = np.cumsum(pages) - pages
         self._fill_rows(call, rows, offsets, greedy)
         page_offsets, table = call.tokens("page_offsets").reshape(-1), call.block_tables[0]

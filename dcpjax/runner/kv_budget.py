@@ -1,12 +1,21 @@
 """How many bytes of KV cache each device gets when the user does not say (vLLM's
-gpu_memory_utilization on accelerators; on CPU, a share of the host's available memory)."""
+gpu_memory_utilization on accelerators; on CPU, a share of the host's available memory), and the
+KV cache an engine builds from them."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 import numpy as np
+
+from dcpjax.config import ParallelConfig
+from dcpjax.models.config import ModelConfig
+from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout, kv_cache_layout
+from dcpjax.sharding import layout
+
+logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 64 << 20  # where the host's available memory cannot be read
 CPU_KV_SHARE = 0.25  # of the host's available memory, for all of this process's devices together
@@ -54,3 +63,37 @@ def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_us
         kib = multihost_utils.process_allgather(np.asarray(max(free, 0) // 1024, np.int32))  # int32 KiB: < 2 TiB
         free = int(np.min(kib)) * 1024
     return free
+
+
+def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: int, block_size: int,
+                  max_num_seqs: int, dtype, requested: int | None, utilization: float,
+                  draft_bytes_per_block: int = 0) -> tuple[KVCacheLayout, int]:
+    """The KV cache layout for the bytes per device `requested` (default: a share of device memory,
+    at most what max_num_seqs sequences of max_model_len fill), and those bytes. A hybrid model's
+    linear-attention state (one per slot) comes out of them first; a draft model's KV
+    (`draft_bytes_per_block`) shares the blocks. Logs the size; ValueError if max_model_len does
+    not fit."""
+    per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype).bytes_per_block_per_device(
+        cfg.num_kv_layers, pc.kv_head_groups) + draft_bytes_per_block
+    blocks_per_seq = layout.blocks_needed(max_model_len, block_size, pc.dcp)
+    state_bytes = max_num_seqs * cfg.linear_state_bytes(pc.tp)
+    budget = kv_bytes_per_device(requested, utilization, mesh, max_num_seqs * blocks_per_seq * per_block + state_bytes)
+    if state_bytes:
+        logger.info("linear-attention state: %.1f MiB per device (%d slots x %d bytes)", state_bytes / 2**20,
+                    max_num_seqs, state_bytes // max_num_seqs)
+        if state_bytes >= budget:
+            raise ValueError(f"the linear-attention state of max_num_seqs={max_num_seqs} sequences takes {state_bytes} "
+                             f"bytes per device, all of the {budget} for the cache: lower max_num_seqs or raise "
+                             "kv_cache_memory_bytes")
+    kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=dtype, bytes_per_device=budget - state_bytes,
+                         extra_bytes_per_block=draft_bytes_per_block)
+    tokens = kv.num_blocks * block_size * pc.dcp
+    per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups)
+    logger.info("mesh %s over %d %s device(s)", dict(mesh.shape), pc.tp, mesh.devices.flat[0].platform)
+    logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)", tokens, kv.num_blocks,
+                block_size, pc.dcp, per_device / 2**20)
+    if blocks_per_seq > kv.num_blocks:
+        raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks but the cache holds "
+                         f"{kv.num_blocks} ({tokens} tokens); raise kv_cache_memory_bytes (--kv-cache-memory-bytes) "
+                         "or lower max_model_len (--max-model-len)")
+    return kv, budget

@@ -48,7 +48,7 @@ def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, by
     """Blocks that fit `bytes_per_device` of KV on each device (`extra_bytes_per_block`: what
     another cache with the same block ids, a draft model's, takes per block)."""
     layout = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype)
-    per_block = layout.bytes_per_block_per_device(cfg.num_hidden_layers, pc.kv_head_groups) + extra_bytes_per_block
+    per_block = layout.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups) + extra_bytes_per_block
     layout.num_blocks = int(bytes_per_device // per_block)
     if layout.num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={bytes_per_device} holds no block ({per_block} bytes per block "

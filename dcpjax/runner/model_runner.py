@@ -30,9 +30,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from dcpjax.config import ParallelConfig
-from dcpjax.kernels import AttentionOptions, KVPools
+from dcpjax.kernels import AttentionOptions, KVPools, LinearState
 from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.gated_delta import CHUNK
 from dcpjax.models.registry import param_specs
 from dcpjax.runner import step_input
 from dcpjax.runner.call_builder import CallBuilder, PreparedCall
@@ -72,14 +73,17 @@ class ModelRunner:
         options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
         self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.kv_caches = tuple(self._empty_cache() for _ in range(cfg.num_hidden_layers))
+        # per layer: the paged KV pools, or a linear-attention layer's state per slot
+        self.kv_caches = tuple(self._empty_state() if cfg.is_linear(i) else self._empty_cache()
+                               for i in range(cfg.num_hidden_layers))
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
         # the logits processors' rows of every slot ([max_num_seqs, vocab] x 9 bytes): always there,
         # so that the sampler has one form whatever its requests ask
         self.processor_state = jax.device_put(logits_processors.empty_state(max_num_seqs, cfg.vocab_size),
                                               self.replicated)
-        self.calls = CallBuilder(grid, kv.block_size, pc.dcp, max_num_seqs, cfg.vocab_size, max_logprobs)
+        self.calls = CallBuilder(grid, kv.block_size, pc.dcp, max_num_seqs, cfg.vocab_size, max_logprobs,
+                                 align=CHUNK if cfg.is_hybrid else 1)
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
@@ -92,17 +96,27 @@ class ModelRunner:
         self.precompiled = False  # set by `precompile`: then a compile after ready is a bug, not a choice
         self.steps_compiled_after_ready = 0
 
+    def _zeros(self, shape, dtype, spec):
+        """A sharded array of zeros, `shape` being each device's part. Made by a shard_map like the
+        step's outputs, so both carry the same sharding (jax drops size-1 mesh axes from
+        shard_map outputs): one compile, not two."""
+        make = lambda: jnp.zeros(shape, dtype)
+        return jax.jit(jax.shard_map(make, mesh=self.mesh, in_specs=(), out_specs=spec))()
+
+    def _empty_state(self) -> LinearState:
+        """One linear-attention layer's zero state for every slot, its heads split over all TP devices."""
+        cfg, ways, spec = self.cfg, self.pc.tp, RULES.linear_state_spec
+        nk, nv = cfg.linear_num_key_heads // ways, cfg.linear_num_value_heads // ways
+        dk, dv, taps = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        conv = lambda heads, d: self._zeros((self.max_num_seqs, heads, d, taps - 1), jnp.float32, spec)
+        return LinearState(conv(nk, dk), conv(nk, dk), conv(nv, dv),
+                           self._zeros((self.max_num_seqs, nv, dk, dv), jnp.float32, spec))
+
     def _empty_cache(self) -> KVPools:
         """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh."""
         kv, pc = self.kv_layout, self.pc
         local_heads = kv.kv_slots // pc.kv_head_groups
-
-        def zeros(shape, dtype, spec):
-            # Made by a shard_map like the step's outputs, so both carry the same sharding
-            # (jax drops size-1 mesh axes from shard_map outputs): one compile, not two.
-            make = lambda: jnp.zeros(shape, dtype)
-            return jax.jit(jax.shard_map(make, mesh=self.mesh, in_specs=(), out_specs=spec))()
-
+        zeros = self._zeros
         pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, RULES.kv_pool_spec)
         scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, RULES.kv_scale_spec)
         mla = len(kv.pool_dims) == 1
@@ -116,7 +130,7 @@ class ModelRunner:
         """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [R, vocab],
         or [B, T, vocab] at all positions, float32 replicated, caches)."""
         graphdef, ctx = self.graphdef, self.ctx
-        cache_specs = tuple(RULES.kv_pools_spec(pools) for pools in self.kv_caches)
+        cache_specs = tuple(RULES.layer_cache_spec(cache) for cache in self.kv_caches)
 
         def body(state, kv_caches, batch):
             return nnx.merge(graphdef, state)(batch, kv_caches, ctx, all_positions)
@@ -143,7 +157,8 @@ class ModelRunner:
             f = x.fields
             tokens = jnp.where(x.from_slot >= 0, slot_tokens[jnp.clip(x.from_slot, 0, num_slots - 1)], x.tokens)
             batch = StepBatch(tokens=tokens, positions=jnp.maximum(x.positions, 0), valid=x.positions >= 0,
-                              sample_index=f.sample_at, block_tables=x.block_tables, page_offsets=x.page_offsets)
+                              sample_index=f.sample_at, block_tables=x.block_tables, seq_slots=x.seq_slots,
+                              page_offsets=x.page_offsets)
             verify = shape.kind == "verify"
             logits, kv_caches = models[shape.kind in ("verify", "prompt")](state, kv_caches, batch)
             prompt_out = None

@@ -71,17 +71,18 @@ class ShapeGrid:
     tokens_per_block: int
     whole_table: bool = False
     verify_chunk: int = 0
+    packed_align: int = 1  # a packed call's sequences start at multiples of this (linear attention's chunk)
 
     @classmethod
     def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, prompt_logprobs_tokens: int,
               blocks_per_seq: int, block_size: int, dcp: int, whole_table: bool,
-              num_speculative_tokens: int = 0) -> ShapeGrid:
+              num_speculative_tokens: int = 0, packed_align: int = 1) -> ShapeGrid:
         """The grid of an engine. whole_table: attention walks only the pages within bounds (one width)."""
         floor = pow2_at_least(-(-MIN_WIDTH_TOKENS // block_size))
         widths = lambda top: (top,) if whole_table else tuple(
             [w for w in powers_of_two(floor, top) if w < top] + [top])
         budget, prompt_budget = max_num_batched_tokens, min(max_num_batched_tokens, prompt_logprobs_tokens)
-        least = lambda most: min(MIN_PACKED_TOKENS, pow2_at_least(most))
+        least = lambda most: max(min(MIN_PACKED_TOKENS, pow2_at_least(most)), pow2_at_least(packed_align))
         # a packed call of new sequences: each row's tokens, and at most one part-filled page each
         packed_top = max(blocks_per_seq, -(-budget // (block_size * dcp)) + min(max_num_seqs, budget))
         return cls(
@@ -93,6 +94,7 @@ class ShapeGrid:
             tokens_per_block=block_size * dcp,
             whole_table=whole_table,
             verify_chunk=1 + num_speculative_tokens if num_speculative_tokens else 0,
+            packed_align=packed_align,
         )
 
     # -- rounding a call onto the grid -------------------------------------------------------------
@@ -136,6 +138,8 @@ class ShapeGrid:
     def _least_pages(self, tokens: int) -> int:
         """The fewest pages a packed call in token bucket `tokens` can hold: more than half the
         bucket's tokens (the one below it holds the rest)."""
+        if self.packed_align > 1:  # aligned places: a row of 1 token takes a whole chunk
+            return 1
         fewest_tokens = tokens // 2 + 1 if tokens > self.tokens[0] else 2
         return -(-fewest_tokens // self.tokens_per_block)
 

@@ -10,11 +10,12 @@ Two layouts (`CallShape.kind`), both a grid of B rows x T tokens:
                        `packed_samples(N)` sampling rows. "prompt" also returns the logprob of
                        each token's next prompt token (`targets`).
 
-    flat = [tokens | positions | from_slot | page_offsets (packed) | targets (prompt)]  each [B * T]
+    flat = [tokens | positions | from_slot | seq_slots | page_offsets (packed) | targets (prompt)]  each [B * T]
          + [block tables [B, W]] + [fields [R, F]]
 
-A padding token has position -1 (never stored, sees nothing); a padding sampling row has slot =
-num_slots (its writes are dropped). Each field is one int32 column per sampling row; the float
+A padding token has position -1 (never stored, sees nothing) and seq_slot num_slots (no state);
+a padding sampling row has slot = num_slots (its writes are dropped). `seq_slots` is each token's
+sequence's slot, where a linear-attention layer keeps that sequence's state. Each field is one int32 column per sampling row; the float
 fields travel bit-cast.
 """
 
@@ -51,7 +52,7 @@ class CallShape(NamedTuple):
     @property
     def token_arrays(self) -> tuple[str, ...]:
         """The per-token arrays of this layout, in order."""
-        return (("tokens", "positions", "from_slot") + (("page_offsets",) if self.packed else ())
+        return (("tokens", "positions", "from_slot", "seq_slots") + (("page_offsets",) if self.packed else ())
                 + (("targets",) if self.kind == "prompt" else ()))
 
     def __str__(self) -> str:
@@ -99,6 +100,7 @@ class StepInput(NamedTuple):
     tokens: jax.Array
     positions: jax.Array
     from_slot: jax.Array  # the slot whose last sample is this token (-1: the host's token)
+    seq_slots: jax.Array  # the slot of the token's sequence (num_slots: padding)
     page_offsets: jax.Array | None  # packed layouts only
     targets: jax.Array | None  # "prompt" only: the next prompt token (-1: none)
     block_tables: jax.Array
@@ -113,8 +115,9 @@ def unpack(flat: jax.Array, shape: CallShape) -> StepInput:
         arrays[name] = flat[offset : offset + n].reshape(b, t)
         offset += n
     tables = flat[offset : offset + b * shape.width].reshape(b, shape.width)
-    return StepInput(arrays["tokens"], arrays["positions"], arrays["from_slot"], arrays.get("page_offsets"),
-                     arrays.get("targets"), tables, unpack_fields(flat[offset + b * shape.width :]))
+    return StepInput(arrays["tokens"], arrays["positions"], arrays["from_slot"], arrays["seq_slots"],
+                     arrays.get("page_offsets"), arrays.get("targets"), tables,
+                     unpack_fields(flat[offset + b * shape.width :]))
 
 
 def unpack_fields(meta: jax.Array) -> StepFields:
@@ -169,6 +172,7 @@ class PackedCall:
         for name in ("positions", "from_slot", "targets"):
             if name in self._tokens:
                 self._tokens[name][:] = -1
+        self._tokens["seq_slots"][:] = num_slots  # padding tokens: no sequence
         self._meta[:, COLUMN["slot"]] = num_slots  # padding rows: no slot
 
     def tokens(self, name: str) -> np.ndarray:

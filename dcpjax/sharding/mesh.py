@@ -18,6 +18,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from dcpjax.config import ParallelConfig, TooFewDevicesError
 from dcpjax.kernels.kv_cache import KVCache, KVPools
+from dcpjax.kernels.linear_state import LinearState
 
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"
@@ -43,6 +44,8 @@ class ShardingRules:
       ffw / moe_ffw / vocab: linear layers split over all TP devices together; a routed
         expert is split like a dense MLP (tensor-parallel experts, exact for any routing).
       experts: every device holds a slice of every expert (no expert parallelism yet).
+      linear_heads: a linear-attention layer's key and value heads (and their per-slot state),
+        split over all TP devices like query heads: each device runs the recurrence of its heads.
     """
 
     batch: MeshAxes = None
@@ -56,6 +59,7 @@ class ShardingRules:
     moe_ffw: MeshAxes = (TP_AXIS, DCP_AXIS)
     experts: MeshAxes = None
     vocab: MeshAxes = (TP_AXIS, DCP_AXIS)
+    linear_heads: MeshAxes = (TP_AXIS, DCP_AXIS)
 
     def as_dict(self) -> dict[str, MeshAxes]:
         """The table as {logical axis: mesh axes}."""
@@ -116,6 +120,17 @@ class ShardingRules:
         return KVPools(self.kv_pool_spec, None if pools.v is None else self.kv_pool_spec,
                        None if pools.k_scale is None else scale, None if pools.v_scale is None else scale,
                        v_head_dim=pools.v_head_dim)
+
+    @property
+    def linear_state_spec(self) -> PartitionSpec:
+        """Each array of a `LinearState`: [slots, heads, d, d'], heads split like query heads."""
+        return self.spec(None, "linear_heads", None, None)
+
+    def layer_cache_spec(self, cache: KVPools | LinearState) -> KVPools | LinearState:
+        """The PartitionSpecs of one layer's cache in the engine, whichever kind it is."""
+        if isinstance(cache, LinearState):
+            return LinearState(*(self.linear_state_spec,) * 4)
+        return self.kv_pools_spec(cache)
 
 
 RULES = ShardingRules()  # the layout dcpjax runs with

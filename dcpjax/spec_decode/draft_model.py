@@ -51,7 +51,7 @@ class DraftModel:
     def bytes_per_block(self, pc: ParallelConfig, block_size: int, dtype) -> int:
         """Its KV bytes per block and device (the cache is sized for both models together)."""
         layout = kv_block_layout(self.cfg, pc, block_size=block_size, dtype=dtype)
-        return layout.bytes_per_block_per_device(self.cfg.num_hidden_layers, pc.kv_head_groups)
+        return layout.bytes_per_block_per_device(self.cfg.num_kv_layers, pc.kv_head_groups)
 
     def proposer(self, num_speculative_tokens: int, pc: ParallelConfig, mesh, target_kv: KVCacheLayout,
                  grid: ShapeGrid, attention_backend: str, max_num_seqs: int) -> DraftModelProposer:
