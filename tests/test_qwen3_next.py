@@ -16,6 +16,7 @@ import dcpjax
 from dcpjax.kernels import KVPools, LinearState
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
+from dcpjax.runner.compile_watch import compile_watch
 from dcpjax.runner.kv_layout import kv_block_layout
 
 FOLDER = pathlib.Path(__file__).parent / "fixtures" / "qwen3-next"
@@ -122,3 +123,15 @@ def test_sampled_and_n_sequences_each_keep_their_own_state():
     again = [c.token_ids for c in llm.generate([prompts()[2], prompts()[4]], params)[0].outputs]
     assert again == together
     assert np.all([len(t) == 12 for t in together])
+
+
+def test_a_precompiled_hybrid_compiles_nothing_while_generating():
+    """The start-up precompile covers the hybrid's calls too (packed prefill in whole chunks)."""
+    llm = make(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, enforce_eager=False)
+    assert llm.shape_grid.tokens == (16, 32) and llm.runner.precompiled
+    compiled = compile_watch().compiled
+    short = [case for case in CASES if len(case["prompt"]) <= 33]
+    outputs = llm.generate([{"prompt_token_ids": c["prompt"]} for c in short], GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == [c["greedy"] for c in short]
+    llm.generate([{"prompt_token_ids": short[-1]["prompt"]}], dcpjax.SamplingParams(max_tokens=1, prompt_logprobs=2))
+    assert compile_watch().compiled == compiled and llm.runner.steps_compiled_after_ready == 0

@@ -19,6 +19,7 @@ positions and sampling values are data: sequences grow inside a bucket without r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence as Seq
@@ -224,10 +225,22 @@ class ModelRunner:
                           call.token_offsets)
 
     # -- compilation ---------------------------------------------------------------------------
+    @contextlib.contextmanager
     def _watching(self, key):
-        """Context for one dispatch of `key`: after ready, a new key that made XLA compile is a
-        compile requests waited for (logged and counted)."""
-        return _WatchDispatch(self, key)
+        """Around one dispatch of `key`: after ready, a new key that made XLA compile is a compile
+        requests waited for, counted and logged (a warning if the grid was precompiled: it escaped
+        the precompile; else the eager mode's first use)."""
+        watched = self.ready and key not in self.seen
+        self.seen.add(key)
+        before = compile_watch().compiled if watched else 0
+        yield
+        if watched and compile_watch().compiled > before:
+            self.steps_compiled_after_ready += 1
+            if self.precompiled:
+                logger.warning("compiled a %s after ready: requests waited for it", key)
+            else:
+                logger.info("compiled a %s on first use (eager: enforce_eager=False precompiles every shape at "
+                            "start-up)", key)
 
     def compile_call(self, shape: CallShape) -> None:
         """Compile (or load from the persistent cache) the model call of `shape` ahead of its first
@@ -269,30 +282,6 @@ class ModelRunner:
     def compiled_step_count(self) -> int:
         """How many model and sampler calls have been compiled (jit's cache sizes)."""
         return self._model_step._cache_size() + self._sampler_step._cache_size()
-
-
-class _WatchDispatch:
-    """`ModelRunner._watching`: compare XLA's compile count around a new key's first dispatch."""
-
-    def __init__(self, runner: ModelRunner, key):
-        self.runner, self.key = runner, key
-
-    def __enter__(self):
-        runner = self.runner
-        self.watched = runner.ready and self.key not in runner.seen
-        runner.seen.add(self.key)
-        self.before = compile_watch().compiled if self.watched else 0
-
-    def __exit__(self, *exc):
-        runner = self.runner
-        if self.watched and exc[0] is None and compile_watch().compiled > self.before:
-            runner.steps_compiled_after_ready += 1
-            if runner.precompiled:  # every shape of the grid was compiled at start-up: this one escaped it
-                logger.warning("compiled a %s after ready: requests waited for it", self.key)
-            else:  # eager (enforce_eager): shapes compile as they are first met, by choice
-                logger.info("compiled a %s on first use (eager: enforce_eager=False precompiles every shape at "
-                            "start-up)", self.key)
-        return False
 
 
 def _draw(logits: jax.Array, tokens: jax.Array | None, f: step_input.StepFields, processor_state,
