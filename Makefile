@@ -34,7 +34,7 @@ attention-demo: $(BASE)
 
 # PYTEST_ARGS: more pytest arguments (.ci/run leaves out the e2e cases on its older Python)
 test: $(TEST)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=40 $(PYTEST_ARGS)
 
 bench: $(BASE)
 	$(VENV)/bin/python benchmarks/attention.py
