@@ -25,17 +25,22 @@ def make(model="tiny-llama", tp=8, dcp=1, **kw):
     return LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **kw)
 
 
-@pytest.mark.parametrize("model, dcps", [("tiny-llama", (2, 4)), ("tiny-qwen3", (8,)), ("tiny-deepseek", (2, 8))])
-def test_dcp_k_equals_dcp_1(model, dcps):
+# each model: both merge backends, interleave 1 and > 1, and the largest DCP its KV heads allow
+# (test_hf_parity proves more layouts against transformers)
+@pytest.mark.parametrize("model, layouts", [
+    ("tiny-llama", ((2, "ag_rs", 1), (4, "a2a", 4))),
+    ("tiny-qwen3", ((8, "ag_rs", 1), (8, "a2a", 4))),
+    ("tiny-deepseek", ((2, "a2a", 4), (8, "ag_rs", 1))),
+])
+def test_dcp_k_equals_dcp_1(model, layouts):
     base = make(model, dcp=1).generate(PROMPTS, GREEDY)
-    for dcp in dcps:
-        for comm, interleave in (("ag_rs", 1), ("a2a", 4)):
-            llm = make(model, dcp=dcp, dcp_comm_backend=comm, cp_kv_cache_interleave_size=interleave, block_size=8)
-            for want, got in zip(base, llm.generate(PROMPTS, GREEDY)):
-                assert got.outputs[0].token_ids == want.outputs[0].token_ids
-                for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
-                    assert {t: lp.logprob for t, lp in a.items()} == pytest.approx(
-                        {t: lp.logprob for t, lp in b.items()}, abs=1e-4)
+    for dcp, comm, interleave in layouts:
+        llm = make(model, dcp=dcp, dcp_comm_backend=comm, cp_kv_cache_interleave_size=interleave, block_size=8)
+        for want, got in zip(base, llm.generate(PROMPTS, GREEDY)):
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids
+            for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs):
+                assert {t: lp.logprob for t, lp in a.items()} == pytest.approx(
+                    {t: lp.logprob for t, lp in b.items()}, abs=1e-4)
 
 
 def test_outputs_look_like_vllm():

@@ -12,12 +12,14 @@ from dcpjax.sampling import (
     SamplingParams,
     SamplingRows,
     full_config,
-    sample,
     sampler_config,
 )
+from dcpjax.sampling import sample as eager_sample
 from dcpjax.sampling.sampler import _gumbel_from_bits
 
 VOCAB = 3000
+# jitted as the runner calls it (its own small program); eagerly, the loops below take minutes
+sample = jax.jit(eager_sample, static_argnums=2)
 
 
 def rows_of(temperature, top_k, top_p, min_p, seeds, counters):
