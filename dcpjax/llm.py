@@ -252,6 +252,9 @@ class LLM:
             raise ValueError(f"speculative_config model {model!r} handles {cfg.max_position_embeddings} positions, "
                              f"fewer than max_model_len={self.max_model_len}; lower max_model_len")
         cfg.check_max_model_len(self.max_model_len)
+        if cfg.is_hybrid:  # its state would run on past rejected drafts, and it has no state slots
+            raise ValueError(f"speculative_config model {model!r} is a hybrid ({cfg.architecture}): a draft model "
+                             "must keep only a KV cache; pick a Llama / Qwen / DeepSeek-family draft")
         try:
             graphdef, state = self._load_weights(cfg, weights, None)
         except ValueError as error:

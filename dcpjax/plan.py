@@ -29,6 +29,7 @@ from flax import nnx
 
 from dcpjax import cli
 from dcpjax.config import ParallelConfig
+from dcpjax.engine_args import EngineArgs
 from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import build_model, layout_problems
@@ -112,7 +113,7 @@ class Deployment:
     kv_cache_dtype: str = "bfloat16"
     block_size: int = 16
     hosts: int = 1
-    max_num_seqs: int = 256  # vLLM's default; a hybrid model keeps a fixed state for each
+    max_num_seqs: int = EngineArgs.max_num_seqs  # the engine's default; a hybrid keeps a fixed state for each
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> Deployment:
@@ -123,7 +124,7 @@ class Deployment:
             device_memory_bytes=float(data["device_memory_bytes"]),
             memory_utilization=data.get("memory_utilization", 0.9), weight_dtype=data.get("weight_dtype", "bfloat16"),
             kv_cache_dtype=data.get("kv_cache_dtype", "bfloat16"), block_size=data.get("block_size", 16),
-            hosts=data.get("hosts", 1), max_num_seqs=data.get("max_num_seqs", 256),
+            hosts=data.get("hosts", 1), max_num_seqs=data.get("max_num_seqs", EngineArgs.max_num_seqs),
         )
 
 
@@ -153,10 +154,11 @@ def memory_plan(d: Deployment) -> dict:
     state = d.max_num_seqs * cfg.linear_state_bytes(pc.tp)  # a hybrid's fixed state, one per slot
     budget = d.device_memory_bytes * d.memory_utilization - weights - state
     if budget <= 0:
-        raise ValueError(f"{d.name}: weights ({weights / GB:.1f} GB per device) exceed "
-                         f"{d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; raise "
-                         "tensor_parallel_size or use float8_e4m3fn weights (python -m dcpjax.plan --model FILE "
-                         "says what fits)")
+        held = f"weights ({weights / GB:.1f} GB per device)" + (
+            f" and {d.max_num_seqs} sequences' linear-attention state ({state / GB:.1f} GB)" if state else "")
+        fix = "raise tensor_parallel_size or use float8_e4m3fn weights" + (", or lower max_num_seqs" if state else "")
+        raise ValueError(f"{d.name}: {held} exceed {d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; "
+                         f"{fix} (python -m dcpjax.plan --model FILE says what fits)")
     kv = kv_cache_layout(cfg, pc, block_size=d.block_size, bytes_per_device=budget, dtype=kv_dtype(d.kv_cache_dtype))
     per_block = kv.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups)
     return dict(

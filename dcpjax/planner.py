@@ -95,14 +95,17 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     row = {"tp": pc.tp, "dcp": pc.dcp, "valid": True, "rejected_by": None, "rules_broken": []}
     if broken:
         return _rejected(row, "rules", broken)
-    # a hybrid's linear-attention layers keep a fixed state per sequence: one per engine slot
-    # (--concurrency slots, as max_num_seqs), taken before the KV blocks
+    # a hybrid's linear-attention layers keep a fixed state per sequence, one per engine slot: running
+    # --concurrency sequences needs max_num_seqs >= concurrency, so that many states come before the KV blocks
     state = cfg.linear_state_bytes(pc.tp)
     budget = device.memory_gb * GB * utilization - weight_bytes - workload.concurrency * state
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
         cfg.num_kv_layers, pc.kv_head_groups)
     if budget < per_block:
-        why = f"weights ({weight_bytes / GB:.4g} GB per device) leave no room for KV in {utilization:.0%} of "
+        held = f"weights ({weight_bytes / GB:.4g} GB per device)" + (
+            f" and {workload.concurrency} sequences' linear-attention state ({workload.concurrency * state / GB:.4g} GB)"
+            if state else "")
+        why = f"{held} leave no room for KV in {utilization:.0%} of "
         return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
     kv = kv_cache_layout(cfg, pc, block_size=block_size, bytes_per_device=budget, dtype=kv_dtype)
     per_token = per_block / block_size / pc.dcp

@@ -76,6 +76,9 @@ def test_a_hybrids_kv_and_state_are_what_the_runner_allocates(dcp):
     assert row["kv_bytes_per_token_per_device"] * llm.kv_cache_size_tokens == pytest.approx(kv)
     assert row["state_bytes_per_sequence_per_device"] * WORKLOAD.concurrency == state > 0
     assert row["state_bytes_per_step"] == 2 * row["batch"] * row["state_bytes_per_sequence_per_device"]
+    # memory that holds the states but not one KV block more: the verdict names the state too
+    crowded = _row(cfg, pc, memory_gb=state * 1.001 / 1e9)
+    assert crowded["rejected_by"] == "weights" and "4 sequences' linear-attention state" in crowded["rules_broken"][0]
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])

@@ -102,6 +102,19 @@ def test_prefix_caching_is_off_and_speculation_refused(caplog):
     assert all(o.outputs[0].token_ids == CASES[3]["greedy"] for o in twice)
     with pytest.raises(ValueError, match="speculative decoding is not supported for Qwen3NextForCausalLM"):
         make(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    # nor may a hybrid be the draft model: its state would run on past rejected drafts
+    with pytest.raises(ValueError, match="is a hybrid .Qwen3NextForCausalLM.: a draft model must keep only a KV"):
+        dcpjax.LLM(str(FOLDER.parent / "qwen3"), tensor_parallel_size=4, max_num_batched_tokens=64,
+                   kv_cache_memory_bytes=8 << 20,
+                   speculative_config={"method": "draft_model", "model": str(FOLDER), "num_speculative_tokens": 2})
+
+
+def test_a_config_without_full_attention_is_refused(tmp_path):
+    config = json.loads((FOLDER / "config.json").read_text())
+    config["layer_types"] = ["linear_attention"] * config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="layer_types has no 'full_attention' layer"):
+        ModelConfig.from_pretrained(tmp_path)
 
 
 def test_linear_heads_must_split_over_tp():
@@ -135,3 +148,22 @@ def test_a_precompiled_hybrid_compiles_nothing_while_generating():
     assert [o.outputs[0].token_ids for o in outputs] == [c["greedy"] for c in short]
     llm.generate([{"prompt_token_ids": short[-1]["prompt"]}], dcpjax.SamplingParams(max_tokens=1, prompt_logprobs=2))
     assert compile_watch().compiled == compiled and llm.runner.steps_compiled_after_ready == 0
+
+
+def test_centred_norm_weights_keep_their_precision_in_bfloat16():
+    """(1 + w) is formed in float32 and the result cast once, as transformers does: in bfloat16 a
+    small w (|w| < 0.004) would round 1 + w to exactly 1."""
+    from flax import nnx
+
+    from dcpjax.models.layers import RMSNorm
+
+    norm = RMSNorm(8, 1e-6, jnp.bfloat16, axis=None, offset=1.0)
+    w = np.linspace(-3e-3, 3e-3, 8).astype(np.float32)
+    norm.weight = nnx.Param(jnp.asarray(w, jnp.bfloat16))
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32)
+    x16 = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)
+    w16 = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64)
+    want = x16 / np.sqrt(np.mean(x16 * x16, axis=-1, keepdims=True) + 1e-6) * (1 + w16)
+    got = np.asarray(norm(jnp.asarray(x, jnp.bfloat16)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=2 ** -8)  # one bfloat16 rounding
+    assert not np.allclose(got, want / (1 + w16), rtol=1e-4)  # the weight is not lost

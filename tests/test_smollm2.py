@@ -4,8 +4,9 @@ transformers reads the same GGUF file with its own loader (names, Q/K un-permuta
 dequantization) and runs it in float32: tests/fixtures/make_smollm2_fixtures.py wrote what
 it computed to fixtures/smollm2/expected.json, so no torch is needed here. dcpjax must give
 the same tensors, token ids, greedy tokens, log-probabilities (1e-4), chat prompt and
-needle-in-a-haystack answer, at TP 1, TP 3 and every DCP layout the rules accept
-(TP 9 / DCP 3, with 9 fake CPU devices in a process of its own).
+needle-in-a-haystack answer, at TP 1, TP 3 and TP 9 at DCP 1 and DCP 3 (with 9 fake CPU devices in a
+process of its own): DCP 3 with ag_rs at interleave 1 and a2a at interleave 16, so both merge
+backends and both interleaves; `python benchmarks/smollm2_layouts.py` runs all four DCP 3 combinations.
 """
 
 import os
@@ -25,7 +26,9 @@ sys.path.insert(0, str(HERE.parent / "benchmarks"))
 import smollm2_layouts  # the workload and layouts, shared with the benchmark
 
 EXPECTED = smollm2_layouts.EXPECTED
-DCP_LAYOUTS = smollm2_layouts.DCP_LAYOUTS
+# DCP 1; DCP 3 ag_rs / interleave 1; DCP 3 a2a / interleave 16 (each layout costs this test ~1.5 min of CI)
+DCP_LAYOUTS = [smollm2_layouts.DCP_LAYOUTS[i] for i in (0, 1, 4)]
+assert DCP_LAYOUTS[2]["dcp_comm_backend"] == "a2a" and DCP_LAYOUTS[2]["cp_kv_cache_interleave_size"] == 16
 LOGPROB_TOLERANCE = 1e-4
 KV_BYTES = 96 << 20  # per device, equal for every layout: DCP 3 must hold 3x the tokens of DCP 1
 

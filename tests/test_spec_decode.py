@@ -156,12 +156,14 @@ def _assert_idle(llm):
     assert not llm.engine.running and not llm.engine.waiting
 
 
+# four layouts on every Python cover both methods, both backends, interleave 1 and 2, GQA and MLA;
+# the other three run in the e2e set (on the newest jax)
 @pytest.mark.parametrize("model,tp,dcp,interleave,comm,method", [
     ("tiny-llama", 1, 1, 1, "ag_rs", "ngram"),
     ("tiny-llama", 8, 2, 2, "a2a", "draft_model"),
-    ("tiny-llama", 8, 4, 1, "ag_rs", "ngram"),
-    ("tiny-deepseek", 1, 1, 1, "ag_rs", "draft_model"),
-    ("tiny-deepseek", 8, 2, 1, "a2a", "ngram"),
+    pytest.param("tiny-llama", 8, 4, 1, "ag_rs", "ngram", marks=pytest.mark.e2e),
+    pytest.param("tiny-deepseek", 1, 1, 1, "ag_rs", "draft_model", marks=pytest.mark.e2e),
+    pytest.param("tiny-deepseek", 8, 2, 1, "a2a", "ngram", marks=pytest.mark.e2e),
     ("tiny-deepseek", 8, 4, 2, "ag_rs", "draft_model"),
     ("tiny-deepseek", 8, 8, 1, "a2a", "ngram"),
 ])

@@ -20,7 +20,8 @@ from dcpjax.sharding.mesh import kv_head_slots
 if TYPE_CHECKING:
     from dcpjax.loader.weights import TensorSource
 
-IGNORED_CHECKPOINT_TENSORS = re.compile(r".*rotary_emb\.inv_freq$")
+# rotary caches; Qwen3-Next's multi-token-prediction head (`mtp.*`, which transformers skips too)
+IGNORED_CHECKPOINT_TENSORS = re.compile(r".*rotary_emb\.inv_freq$|^mtp\.")
 
 
 def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -261,7 +262,8 @@ def model_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
 
 
 def ignored_checkpoint_tensor(cfg: ModelConfig, name: str) -> bool:
-    """Tensors a checkpoint may carry that dcpjax does not use (rotary caches, MTP layers)."""
+    """Tensors a checkpoint may carry that dcpjax does not use: rotary caches and multi-token-prediction
+    layers (Qwen3-Next's `mtp.*`, DeepSeek-V3's layers past num_hidden_layers)."""
     if IGNORED_CHECKPOINT_TENSORS.match(name):
         return True
     layer = re.match(r"model\.layers\.(\d+)\.", name)

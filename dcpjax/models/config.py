@@ -238,6 +238,9 @@ def _hybrid_fields(config: dict[str, Any], layers: int) -> dict[str, Any]:
     if len(types) != layers or unknown:
         raise ValueError(f"layer_types must name each of the {layers} layers {FULL_ATTENTION!r} or "
                          f"{LINEAR_ATTENTION!r}; got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''}")
+    if FULL_ATTENTION not in types:  # the KV cache (and DCP) lives in the full-attention layers
+        raise ValueError(f"layer_types has no {FULL_ATTENTION!r} layer: dcpjax needs at least one (it holds the KV "
+                         "cache that DCP splits); a model of linear-attention layers only is not supported")
     rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
     return dict(
         layer_types=tuple(types), linear_num_key_heads=config.get("linear_num_key_heads", 16),

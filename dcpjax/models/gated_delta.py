@@ -57,13 +57,14 @@ def causal_conv(x: jax.Array, weight: jax.Array, seq_slots: jax.Array, positions
         column = jnp.clip(taps - 1 - (lag - before), 0, taps - 2)
         stored = jnp.take_along_axis(conv_state[slots], column[:, None, None], axis=2)[..., 0]
         values.append(jnp.where(same[lag - 1][:, None], shifted, jnp.where(fresh[:, None], 0.0, stored)))
-    y = sum(values[lag] * weight[:, taps - 1 - lag] for lag in range(taps))
+    # products summed in float32 (bfloat16 inputs), as the reference kernels accumulate
+    y = sum(values[lag].astype(jnp.float32) * weight[:, taps - 1 - lag].astype(jnp.float32) for lag in range(taps))
     # a sequence's last token (valid, and the next token is another sequence's) leaves the state
     last = (seq_slots < conv_state.shape[0]) & ~jnp.concatenate([_same_sequence(seq_slots, 1)[1:], jnp.zeros(1, bool)])
     new = jnp.stack([values[taps - 2 - j] for j in range(taps - 1)], axis=-1)  # [N, C, K - 1], oldest first
     conv_state = conv_state.at[jnp.where(last, seq_slots, conv_state.shape[0])].set(
         new.astype(conv_state.dtype), mode="drop")
-    return jax.nn.silu(y.astype(jnp.float32)).astype(x.dtype), conv_state
+    return jax.nn.silu(y).astype(x.dtype), conv_state
 
 
 def _chunk(state, q, k, v, g, beta):

@@ -69,8 +69,9 @@ class RMSNorm(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        weight = self.weight[...] + self.offset if self.offset else self.weight[...]
-        return weight * normed.astype(x.dtype)
+        if self.offset:  # Gemma / Qwen3-Next: (offset + w) in float32, one cast (1 + w in bfloat16 drops small w)
+            return (normed * (self.weight[...].astype(jnp.float32) + self.offset)).astype(x.dtype)
+        return self.weight[...] * normed.astype(x.dtype)  # Llama's order: cast, then scale in the weight's dtype
 
 
 class GatedMLP(nnx.Module):

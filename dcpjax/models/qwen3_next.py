@@ -35,7 +35,8 @@ class GatedRMSNorm(nnx.Module):
     def __call__(self, x: jax.Array, gate: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight[...] * normed.astype(x.dtype)) * jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype)
+        scaled = self.weight[...] * normed.astype(x.dtype)  # transformers' order: cast, scale, then the float32 gate
+        return (scaled.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -80,9 +81,9 @@ class GatedDeltaNet(nnx.Module):
         group = v.shape[1] // q.shape[1]  # value heads per key head
         q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
         beta = jax.nn.sigmoid((flat @ self.b_proj[...]).astype(jnp.float32))
-        decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus((flat @ self.a_proj[...]).astype(jnp.float32)
-                                                             + self.dt_bias[...])
-        out, recurrent = gated_delta_rule(q, k, v, decay, beta, slots, positions, state.recurrent,
+        log_decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus((flat @ self.a_proj[...]).astype(jnp.float32)
+                                                                 + self.dt_bias[...])
+        out, recurrent = gated_delta_rule(q, k, v, log_decay, beta, slots, positions, state.recurrent,
                                           chunk=CHUNK if batch.packed else t, independent=not batch.packed)
         out = self.norm(out.astype(x.dtype), project(self.z_proj))  # [N, value heads, dv]
         out = jnp.einsum("nhd,hde->ne", out, self.out_proj[...])
