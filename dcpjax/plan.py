@@ -151,11 +151,13 @@ def memory_plan(d: Deployment) -> dict:
     except ValueError as err:
         raise ValueError(f"{d.name}: {err}") from None
     weights = weight_bytes_per_device(cfg, pc, d.weight_dtype)
-    state = d.max_num_seqs * cfg.linear_state_bytes(pc.tp)  # a hybrid's fixed state, one per slot
+    state_each = cfg.linear_state_bytes(pc.tp)  # a hybrid's fixed state, one per slot (0 without linear layers)
+    state = d.max_num_seqs * state_each
     budget = d.device_memory_bytes * d.memory_utilization - weights - state
     if budget <= 0:
-        held = f"weights ({weights / GB:.1f} GB per device)" + (
-            f" and {d.max_num_seqs} sequences' linear-attention state ({state / GB:.1f} GB)" if state else "")
+        from dcpjax.planner import memory_held
+
+        held = memory_held(weights, d.max_num_seqs, state_each)
         fix = "raise tensor_parallel_size or use float8_e4m3fn weights" + (", or lower max_num_seqs" if state else "")
         raise ValueError(f"{d.name}: {held} exceed {d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; "
                          f"{fix} (python -m dcpjax.plan --model FILE says what fits)")

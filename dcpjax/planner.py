@@ -82,6 +82,15 @@ def _rejected(row: dict, kind: str, why: list[str]) -> dict:
     return row | {"valid": False, "rejected_by": kind, "rules_broken": [s.rstrip(".") for s in why]}
 
 
+def memory_held(weight_bytes: float, sequences: int, state_bytes_per_sequence: float) -> str:
+    """What fills a device before its KV blocks, for a "no room" verdict: the weights, and a hybrid's
+    per-sequence linear-attention state when it has one."""
+    held = f"weights ({weight_bytes / GB:.4g} GB per device)"
+    if state_bytes_per_sequence:
+        held += f" and {sequences} sequences' linear-attention state ({sequences * state_bytes_per_sequence / GB:.4g} GB)"
+    return held
+
+
 def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Link, workload: Workload,
               weight_bytes: float, kv_dtype, block_size: int = 16, q_bytes: int = 2,
               utilization: float = 0.9, problems: list[str] | None = None) -> dict:
@@ -102,10 +111,7 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
         cfg.num_kv_layers, pc.kv_head_groups)
     if budget < per_block:
-        held = f"weights ({weight_bytes / GB:.4g} GB per device)" + (
-            f" and {workload.concurrency} sequences' linear-attention state ({workload.concurrency * state / GB:.4g} GB)"
-            if state else "")
-        why = f"{held} leave no room for KV in {utilization:.0%} of "
+        why = f"{memory_held(weight_bytes, workload.concurrency, state)} leave no room for KV in {utilization:.0%} of "
         return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
     kv = kv_cache_layout(cfg, pc, block_size=block_size, bytes_per_device=budget, dtype=kv_dtype)
     per_token = per_block / block_size / pc.dcp

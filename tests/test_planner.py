@@ -79,6 +79,11 @@ def test_a_hybrids_kv_and_state_are_what_the_runner_allocates(dcp):
     # memory that holds the states but not one KV block more: the verdict names the state too
     crowded = _row(cfg, pc, memory_gb=state * 1.001 / 1e9)
     assert crowded["rejected_by"] == "weights" and "4 sequences' linear-attention state" in crowded["rules_broken"][0]
+    # a deployment file's max_num_seqs slots of state: the same words, and the fix names max_num_seqs
+    deployment = plan.Deployment("hybrid", cfg, pc, device_memory_bytes=state * 4, memory_utilization=1.0,
+                                 weight_dtype="float32", max_num_seqs=1000)
+    with pytest.raises(ValueError, match="1000 sequences' linear-attention state .* or lower max_num_seqs"):
+        plan.memory_plan(deployment)
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])
