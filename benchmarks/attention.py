@@ -24,7 +24,7 @@ import time
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
-from dcpjax.devices import use_cpu_devices
+from dcpjax.sharding.devices import use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -183,7 +183,8 @@ def print_report(capacity, steps, bandwidth):
         print(f"| {r['layout']} | {r['dcp']} | {r['bytes_per_token_per_device']:,.0f} | {r['max_tokens_per_device']:,} "
               f"| {r['max_tokens_per_device'] / base[r['layout']]:.2f}x |")
     print(f"\n### Decode attention per step, one layer, float32, TP {TP}, 8 fake CPU devices (best of repeats)\n")
-    print("| layout | context x batch | DCP | backend | step ms | speed-up vs DCP 1 | KV bytes / device | collectives | HLO collective bytes / device | analytic bytes / device |")
+    print("| layout | context x batch | DCP | backend | step ms | speed-up vs DCP 1 | KV bytes / device | collectives "
+          "| HLO collective bytes / device | analytic bytes / device |")
     print("|---|---|---:|---|---:|---:|---:|---|---:|---:|")
     for r in steps:
         print(f"| {r['layout']} | {r['context']:,} x {r['batch']} | {r['dcp']} | {r['comm']} | {r['step_ms']:.1f} | "

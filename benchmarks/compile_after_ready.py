@@ -31,7 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import httpx
 
 from dcpjax.bench.client import WORDS
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
 from dcpjax.serve.process.launch import start_server
 
 COUNTERS = ("dcpjax:compilations_total", "dcpjax:step_compilations_after_ready_total")

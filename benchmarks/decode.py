@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from dcpjax.devices import use_cpu_devices
+from dcpjax.sharding.devices import use_cpu_devices
 
 use_cpu_devices(8)
 
@@ -31,8 +31,8 @@ import dcpjax
 
 def run(model: str, tp: int, dcp: int, context: int, batch: int, steps: int, max_model_len: int | None = None) -> dict:
     llm = dcpjax.LLM(model, tensor_parallel_size=tp, decode_context_parallel_size=dcp,
-                     kv_cache_memory_bytes=256 << 20, max_model_len=max_model_len or context + steps + 8, max_num_seqs=batch,
-                     max_num_batched_tokens=1024)
+                     kv_cache_memory_bytes=256 << 20, max_model_len=max_model_len or context + steps + 8,
+                     max_num_seqs=batch, max_num_batched_tokens=1024)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(0, 256, context).tolist()} for _ in range(batch)]
     params = dcpjax.SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)

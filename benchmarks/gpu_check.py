@@ -137,7 +137,8 @@ def main(argv=None):
             rows.append(run_case(name, case, dtype, args.cpu_smoke, iters))
             print(f"{name} {dtype}: {'PASS' if rows[-1]['passed'] else 'FAIL'}", flush=True)  # which case, if one fails
     lines = [
-        "| case | dtype | context x batch | KV MiB | max abs err out / lse (tol) | empty seq ok | kernel us | kernel GB/s | reference GB/s | copy GB/s (r+w) | kernel / copy |",
+        ("| case | dtype | context x batch | KV MiB | max abs err out / lse (tol) | empty seq ok | kernel us "
+         "| kernel GB/s | reference GB/s | copy GB/s (r+w) | kernel / copy |"),
         "|---|---|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
@@ -151,7 +152,8 @@ def main(argv=None):
     if not args.cpu_smoke and not args.skip_model:
         model_rows, same = run_model_check()
         passed = passed and same
-        lines += ["", "| engine, tiny-llama f32, 32 x (64 in, 128 out) | output tokens/s | seconds |", "|---|---:|---:|"]
+        lines += ["", "| engine, tiny-llama f32, 32 x (64 in, 128 out) | output tokens/s | seconds |",
+                  "|---|---:|---:|"]
         lines += [f"| attention {r['backend']} | {r['tokens_per_s']:.0f} | {r['seconds']:.2f} |" for r in model_rows]
         lines.append(f"\ngreedy token ids identical (pallas vs reference): {same}")
         rows = rows + [dict(model=r) for r in model_rows] + [dict(model_same=same)]

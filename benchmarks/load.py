@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import httpx
 
 from dcpjax.bench.client import make_prompts, one_request
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
 from dcpjax.serve.process.launch import start_server
 
 # the server started when no --base-url is given: a KV cache small enough that this load preempts

@@ -27,7 +27,7 @@ def main(argv=None) -> int:
     p.add_argument("--num-cpu-devices", type=int, default=1)
     p.add_argument("--max-model-len", type=int, help="default: input + output + 1 (larger: tables wider than needed)")
     args = p.parse_args(argv)
-    from dcpjax.devices import use_cpu_devices
+    from dcpjax.sharding.devices import use_cpu_devices
 
     use_cpu_devices(args.num_cpu_devices)
     import numpy as np

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
     args = p.parse_args(argv)
-    from dcpjax.devices import use_cpu_devices
+    from dcpjax.sharding.devices import use_cpu_devices
 
     use_cpu_devices(1)
     import jax

@@ -6,7 +6,7 @@
 First it measures the CPU "device" the way the planner needs it: memcpy bandwidth (one
 host's, shared by the 8 fake devices, so a device gets an eighth), and the latency and
 bandwidth of a collective over the 8 devices. Then, for each context and DCP size, it
-predicts the decode step with `dcpjax.planner.plan_size` (same model, same KV bytes, same
+predicts the decode step with `dcpjax.plan.planner.plan_size` (same model, same KV bytes, same
 batch) and measures it (`decode.py`'s timed steps), and prints measured / predicted.
 """
 
@@ -27,10 +27,10 @@ import numpy as np
 from decode import run
 from jax.sharding import PartitionSpec as P
 
-from dcpjax import planner
-from dcpjax.config import ParallelConfig
 from dcpjax.models.config import TINY_MODELS
-from dcpjax.plan import weight_bytes_per_device
+from dcpjax.plan import planner
+from dcpjax.plan.deployment import weight_bytes_per_device
+from dcpjax.sharding.config import ParallelConfig
 
 KV_BYTES = 256 << 20  # what decode.run gives each device
 

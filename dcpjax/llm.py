@@ -10,8 +10,7 @@ from collections.abc import Sequence as Seq
 import jax
 from tqdm.auto import tqdm
 
-from dcpjax.chat_template import ChatTemplate, text_content
-from dcpjax.config import ParallelConfig
+from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.config import EngineConfig
 from dcpjax.engine.core import Engine, Sequence
 from dcpjax.engine.requests import RequestBuilder, request_output
@@ -32,25 +31,23 @@ from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.spec_decode.config import SpeculativeConfig
 from dcpjax.spec_decode.draft_model import DraftModel
 from dcpjax.spec_decode.ngram import NgramProposer
+from dcpjax.text.chat_template import ChatTemplate, text_content
+from dcpjax.text.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
+
+
 def _checked_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
     value = max_model_len or cfg.max_position_embeddings
     if not 1 < value <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {value}")
     cfg.check_max_model_len(value)
     return value
-
-
-def _eos_token_ids(cfg: ModelConfig, tokenizer) -> set[int]:
-    eos = set(cfg.eos_token_id)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
-    return eos
 
 
 def _generation_defaults(model_folder: str | None, generation_config: str) -> dict:
@@ -164,6 +161,12 @@ class LLM:
         llm._load(config, devices)
         return llm
 
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, devices: Seq[jax.Device] | None = None) -> LLM:
+        """An LLM of the engine flags `args` (vLLM's name): its checked `EngineConfig`, loaded."""
+        logger.debug("creating LLM from %s", args)
+        return cls.from_engine_config(args.create_engine_config(), devices)
+
     def _load(self, config: EngineConfig, devices: Seq[jax.Device] | None) -> None:
         """Mesh, model, weights, KV cache, runner and engine, in that order, from one config."""
         self.config, self.parallel_config, self.seed = config, config.parallel, config.seed
@@ -179,9 +182,9 @@ class LLM:
         self.max_model_len = _checked_max_model_len(config.max_model_len, self.model_config)
         self.speculative_config = spec = config.speculative
         if spec is not None and self.model_config.is_hybrid:
-            raise ValueError(f"speculative_config: speculative decoding is not supported for {self.model_config.architecture} "
-                             "(a hybrid model): its linear-attention layers' state cannot yet roll back rejected "
-                             "drafts; leave speculative_config unset")
+            raise ValueError("speculative_config: speculative decoding is not supported for "
+                             f"{source.config.architecture} (a hybrid model): its linear-attention layers' state "
+                             "cannot yet roll back rejected drafts; leave speculative_config unset")
         draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
         graphdef, state = self._load_weights(self.model_config, source.weights, config.orbax_checkpoint)
         kv = self._size_kv_cache(cache_dtype, draft)
@@ -202,7 +205,7 @@ class LLM:
         self.precompile_seconds: float | None = None  # None: eager, shapes compile when first met
         if not config.skips_precompile(self.mesh.devices.flat[0].platform):
             self.precompile_seconds = precompile.precompile_engine(self.runner, getattr(proposer, "runner", None))
-            self.runner.mark_ready()  # a shape compiled from now on is logged and counted
+            self.mark_ready()  # a shape compiled from now on is logged and counted
 
     def _shape_grid(self, kv) -> ShapeGrid:
         """The shapes model calls take (`dcpjax.runner.shape_grid`) under this configuration."""
@@ -220,7 +223,7 @@ class LLM:
     def _start_engine(self, kv, proposer) -> None:
         """The engine over the runner, and the request builder in front of it."""
         spec, dcp, config = self.speculative_config, self.parallel_config.dcp, self.scheduler_config
-        eos = _eos_token_ids(self.model_config, self.tokenizer)
+        eos = eos_token_ids(self.model_config.eos_token_id, self.tokenizer)
         self.engine = Engine(self.runner, self.tokenizer, eos, config, proposer)
         block = config.block_size
         logger.info("prefix caching: %s", f"on, in blocks of {block * dcp} tokens ({block} x DCP {dcp}), up to "
@@ -289,6 +292,24 @@ class LLM:
         """Forget every cached prefix (vLLM's name); False while requests are running."""
         return self.engine.reset_prefix_cache()
 
+    def mark_ready(self) -> None:
+        """Serving starts: a step shape XLA compiles from now on is logged and counted (requests waited)."""
+        self.runner.mark_ready()
+
+    # what the server and the benchmarks ask of the loaded engine
+    vocab_size = property(lambda self: self.model_config.vocab_size)
+    async_scheduling = property(lambda self: self.engine.async_scheduling)
+    compiled_step_count = property(lambda self: self.runner.compiled_step_count)  # model + sampler calls compiled
+
+    def weight_bytes_by_device(self) -> dict[jax.Device, int]:
+        """Bytes of model weights held on each of this process's devices."""
+        return self.runner.weight_bytes_by_device()
+
+    @property
+    def weight_bytes_per_device(self) -> int:
+        """Bytes of model weights on the fullest device."""
+        return max(self.weight_bytes_by_device().values())
+
     def save_checkpoint(self, path: str) -> None:
         """Write the loaded weights as an orbax checkpoint, restorable onto any mesh
         (`LLM(model, ..., orbax_checkpoint=path)`)."""
@@ -319,7 +340,8 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else list(sampling_params)
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         requests = [self.make_sequences(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -1,19 +1,26 @@
 """One request as the engine tracks it (its tokens, its KV blocks, how far it has got), and its
-part of a step (`ScheduledRow`), which the scheduler makes and the runner packs.
+part of a step (`ScheduledRow`), which the scheduler makes; `scheduled_call` turns a call's rows
+into the runner's message (`runner.messages.ScheduledCall`: ids, counts, token and block ids), so
+the runner never sees a `Sequence`.
 
-Below the engine and the runner (both read these types), above sampling. Who writes what:
+Above the runner, below the proposers and the engine. Who writes what:
 the scheduler alone writes the scheduler state (blocks, slot, num_computed, num_pending, the
 prefix-cache fields) and a row's drafts; the output processor alone writes the output state
 (token_ids after the prompt, logprobs, text, finish_reason and stop_reason; the engine writes
 finish_reason "abort"); the runner and the draft model keep what they need of a request in their
-own caches, keyed by the sequence (`runner.step_input.RequestCache`, `DraftModelProposer`).
+own state, keyed by request id (`runner.request_states`) or by the sequence (`DraftModelProposer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
+from collections.abc import Sequence as Seq
+
+import numpy as np
 
 from dcpjax.outputs import Logprob
+from dcpjax.runner.messages import NewRequestData, ScheduledCall, ScheduledChunk
 from dcpjax.sampling import SamplingParams
 from dcpjax.sampling.logits_processors import LogitsSpec
 
@@ -123,3 +130,33 @@ class ScheduledRow:
         """The chunk's tokens as the host knows them (a device input's first is a placeholder)."""
         known = self.seq.token_ids[self.start : self.start + self.count - len(self.drafts)]
         return known + self.drafts
+
+    def chunk(self, block_ids: np.ndarray) -> ScheduledChunk:
+        """The row as the runner's message (`block_ids`: the blocks the sequence holds, in order)."""
+        seq, wants = self.seq, self.wants_prompt_logprobs
+        targets = seq.token_ids[self.start + 1 : min(self.start + self.count + 1, seq.num_prompt_tokens)] if wants \
+            else ()
+        return ScheduledChunk(seq.request_id, seq.slot, self.start, self.count, self.samples, self.device_input,
+                              tuple(self.input_ids), block_ids, counter=seq.num_tokens - 1 - seq.num_prompt_tokens,
+                              num_drafts=len(self.drafts), wants_prompt_logprobs=wants, prompt_targets=tuple(targets),
+                              admitted=self.admitted)
+
+
+def new_request_data(seq: Sequence) -> NewRequestData:
+    """What the runner keeps of `seq` from its admission on."""
+    return NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens, seq.logits_spec,
+                          tuple(seq.output_ids))
+
+
+def scheduled_call(rows: Seq[ScheduledRow], block_tables: np.ndarray, *, greedy: bool = False,
+                   finished_request_ids: Collection[str] = ()) -> ScheduledCall:
+    """A model call's rows as the runner's message: each row's block ids copied out of the scheduler's
+    `block_tables` [slots, blocks_per_seq] (one gather, read-only), the rows admitted since the
+    runner last saw their requests as `NewRequestData`."""
+    slots = np.fromiter((row.seq.slot for row in rows), np.int32, len(rows))
+    needed = [len(row.seq.blocks) for row in rows]
+    tables = block_tables[slots, : max(needed, default=0)]  # fancy indexing: a copy
+    tables.flags.writeable = False
+    chunks = tuple(row.chunk(tables[i, : need]) for i, (row, need) in enumerate(zip(rows, needed)))
+    return ScheduledCall(chunks, tuple(new_request_data(row.seq) for row in rows if row.admitted),
+                         frozenset(finished_request_ids), greedy)

@@ -1,5 +1,6 @@
-"""Imports flow one way: kernels <- sharding <- models <- sampling <- sequence <- runner <- spec_decode
-<- engine <- llm <- serve / bench (loader: beside the runner, below llm).
+"""Imports flow one way, through the layers of LAYERS (each package or top-level module of dcpjax
+may import only those before it); every package and module is in a layer; no two modules
+import each other, even for types; functions and modules stay small.
 
 Read from the source (ast), so a new import against the flow fails here with the file named.
 """
@@ -10,20 +11,30 @@ import pathlib
 import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "dcpjax"
-# each layer, and the dcpjax modules it must never import
-TOP = ["llm", "serve", "bench"]  # the offline API, and what builds on it
-LAYERS = {
-    "kernels": ["sharding", "models", "sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
-    "sharding": ["models", "sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
-    "models": ["sampling", "sequence", "loader", "runner", "spec_decode", "engine", *TOP],
-    "sampling": ["sequence", "loader", "runner", "spec_decode", "engine", *TOP],  # part of the step
-    "sequence": ["loader", "runner", "spec_decode", "engine", *TOP],  # the request, read by runner and engine
-    "loader": ["runner", "spec_decode", "engine", *TOP],  # checkpoints -> sharded parameters
-    "runner": ["loader", "spec_decode", "engine", *TOP],  # the proposers build on the runner
-    "spec_decode": ["engine", *TOP],
-    "engine": TOP,
-    "llm": TOP[1:],  # the server and benchmarks build on it, never the reverse
-}
+# Bottom to top. `outputs` (the result types) and `sequence` (the engine's request) are the public
+# face's flat modules; `generate` is the shim of `python -m dcpjax.generate`.
+LAYERS = [
+    "outputs",  # RequestOutput, CompletionOutput, Logprob: plain data
+    "kernels",  # decode attention returning LSE (Pallas, reference); the float64 oracles
+    "sharding",  # the mesh, ParallelConfig, the KV layout, LSE-merge collectives, the public op
+    "models",  # model families, their configs and layers
+    "text",  # tokenizers and chat templates
+    "sampling",  # SamplingParams and the on-device sampler
+    "loader",  # checkpoints -> sharded parameters (beside the runner: see BESIDE)
+    "runner",  # the model on the mesh, one call at a time, from the scheduler's typed messages
+    "sequence",  # the engine's request: never seen by the runner
+    "spec_decode",  # proposers of drafts, on top of the runner
+    "engine",  # requests, scheduler, the loop, outputs; EngineArgs
+    "llm",  # the offline API
+    "entrypoints",  # what every command shares; python -m dcpjax.generate
+    "generate",
+    "plan",  # python -m dcpjax.plan: nothing runs
+    "demo",  # python -m dcpjax.demo
+    "serve",  # python -m dcpjax.serve
+    "bench",  # python -m dcpjax.bench (it starts servers)
+]
+BESIDE = [("loader", "runner")]  # neither imports the other
+FACE = {"__init__", "__main__", "configs"}  # the package's own face (and its shipped deployment files)
 
 
 def dcpjax_imports(path: pathlib.Path) -> set[str]:
@@ -39,14 +50,66 @@ def dcpjax_imports(path: pathlib.Path) -> set[str]:
 
 def layer_files(layer: str) -> list[pathlib.Path]:
     folder = PACKAGE / layer
-    return sorted(folder.glob("*.py")) if folder.is_dir() else [PACKAGE / f"{layer}.py"]
+    return sorted(folder.glob("**/*.py")) if folder.is_dir() else [PACKAGE / f"{layer}.py"]
 
 
-@pytest.mark.parametrize("layer", list(LAYERS))
+def test_every_package_and_module_is_in_a_layer():
+    found = {path.name.removesuffix(".py") for path in PACKAGE.iterdir()
+             if path.suffix == ".py" or (path.is_dir() and path.name != "__pycache__")}
+    assert found - FACE == set(LAYERS), f"not in LAYERS: {sorted(found - FACE - set(LAYERS))}; " \
+                                        f"gone: {sorted(set(LAYERS) - found)}"
+
+
+def test_top_level_holds_the_public_face_only():
+    flat = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(flat) <= 6, f"dcpjax/ holds {len(flat)} modules: {flat}; a layer's module belongs in its package"
+
+
+@pytest.mark.parametrize("layer", LAYERS)
 def test_imports_flow_one_way(layer):
+    later = set(LAYERS[LAYERS.index(layer) + 1 :]) | {b for a, b in BESIDE if a == layer} | \
+        {a for a, b in BESIDE if b == layer}
     for path in layer_files(layer):
-        wrong = dcpjax_imports(path) & set(LAYERS[layer])
+        wrong = dcpjax_imports(path) & later
         assert not wrong, f"{path.relative_to(PACKAGE.parent)} imports dcpjax.{sorted(wrong)}, later than {layer}"
+
+
+def module_imports(path: pathlib.Path) -> set[str]:
+    """The dcpjax modules a file imports, by full name ('dcpjax.loader.weights'); `from P import m`
+    counts module m when P/m.py exists."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("dcpjax.")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dcpjax"):
+            folder = PACKAGE.parent.joinpath(*node.module.split("."))
+            subs = {f"{node.module}.{a.name}" for a in node.names if (folder / f"{a.name}.py").exists()}
+            found |= subs or {node.module}
+    return found
+
+
+def test_no_import_circles():
+    """No module imports one that imports it back (directly or round a longer circle); a package's
+    own `__init__` re-exporting its modules is not a circle."""
+    name = lambda path: ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    graph = {name(path): module_imports(path) for path in PACKAGE.glob("**/*.py")}
+    for module, imported in graph.items():  # a module importing its own package's __init__ is not an edge back
+        graph[module] = {m for m in imported if m in graph and not module.startswith(m + ".") and m != module}
+    state, circles = {}, []
+
+    def visit(module, stack):
+        state[module] = "open"
+        for nxt in sorted(graph[module]):
+            if state.get(nxt) == "open":
+                circles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
 def test_modules_and_functions_stay_small():
@@ -58,3 +121,37 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{path.name}:{node.lineno} {node.name} is {length} lines"
+
+
+# an object's parts that belong to another layer: code asks the object, never reaches through it
+PARTS = {"runner", "engine", "scheduler", "allocator", "processor", "proposer"}
+# private names that are not another object's state: namedtuple's API, jit's cache size, os._exit, argparse's
+# group type, and LLM.from_engine_config's own object
+PRIVATE_OK = {"_fields", "_replace", "_asdict", "_cache_size", "_exit", "_ArgumentGroup", "_load"}
+
+
+def attribute_chain(node: ast.Attribute) -> list[str] | None:
+    """`a.b.c` -> ['a', 'b', 'c'] (None when the chain does not start at a name)."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return [node.id, *reversed(names)] if isinstance(node, ast.Name) else None
+
+
+def test_no_attribute_chain_reaches_through_another_object():
+    """`engine.runner.x`, `self.scheduler.allocator.x` or `llm.runner._leaves` reach into a layer that
+    the object owns: ask the object (`engine.stats()`, `scheduler.reset()`, `llm.weight_bytes_per_device`)."""
+    found = []
+    for path in sorted(PACKAGE.glob("**/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            chain = attribute_chain(node) if isinstance(node, ast.Attribute) else None
+            if not chain or len(chain) < 3:
+                continue
+            base, first, second = chain[0], chain[1], chain[2]
+            through = first in PARTS and (base != "self" or second in PARTS)
+            private = any(name.startswith("_") and not name.startswith("__") and name not in PRIVATE_OK
+                          for name in chain[2:])
+            if through or private:
+                found.append(f"{path.relative_to(PACKAGE.parent)}: {'.'.join(chain)}")
+    assert not found, "reaches through another object:\n" + "\n".join(sorted(set(found)))

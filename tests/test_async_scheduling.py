@@ -41,7 +41,7 @@ def test_async_equals_sync_for_mixed_requests(llm):
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason == "length"
         if a.outputs[0].logprobs is not None:
             assert [list(e) for e in a.outputs[0].logprobs] == [list(e) for e in b.outputs[0].logprobs]
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+    assert llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_blocks
 
 
 @pytest.mark.parametrize("at", [0, 3, 10])
@@ -53,7 +53,7 @@ def test_stop_token_seen_a_step_late_leaks_nothing(llm, base, at):
         cut = want.index(p.stop_token_ids[0]) + 1
         assert out.outputs[0].token_ids == want[:cut]
         assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", p.stop_token_ids[0])
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+    assert llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_blocks
 
 
 def test_eos_seen_a_step_late_leaks_nothing(llm, base):
@@ -99,7 +99,7 @@ def test_abort_with_a_token_in_flight_frees_every_block(llm, base):
         engine.step()
     assert drop.output_ids == emitted  # the in-flight token was dropped
     assert keep.output_ids == base[0]
-    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
     assert sorted(engine.scheduler.free_slots) == list(range(8))
 
 
@@ -109,7 +109,7 @@ def test_preemption_under_async_loses_nothing_and_frees_every_block(base):
     outs = tight.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert tight.engine.num_preemptions > 0
     assert ids(outs) == base
-    assert tight.engine.allocator.num_free == tight.engine.allocator.num_blocks
+    assert tight.engine.scheduler.allocator.num_free == tight.engine.scheduler.allocator.num_blocks
     assert sorted(tight.engine.scheduler.free_slots) == list(range(8))
 
 
@@ -131,6 +131,6 @@ def test_an_error_mid_step_leaves_a_clean_engine(llm, base):
     finally:
         runner.launch = launch
     engine = llm.engine
-    assert not engine.has_work() and engine.allocator.num_free == engine.allocator.num_blocks
+    assert not engine.has_work() and engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks
     assert sorted(engine.scheduler.free_slots) == list(range(8))
     assert ids(llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))) == base

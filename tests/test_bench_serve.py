@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from dcpjax import cli
 from dcpjax.bench.__main__ import main, parse_args
 from dcpjax.bench.serving import prompts_for, warmup_count
+from dcpjax.entrypoints import cli
 from dcpjax.serve.process.launch import HOST, free_port
 
 BLOCK = 32  # the cache block of a TP 8 / DCP 2 server (16 x DCP 2): a shared first block is a prefix hit
@@ -171,7 +171,8 @@ def test_a_server_that_does_not_answer_is_one_line(capsys):
     port = free_port()
     assert cli.run(main, ["serve", "--base-url", f"http://{HOST}:{port}", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and f"the server at http://{HOST}:{port} does not answer" in err[0]
+    assert (len(err) == 1 and err[0].startswith("error: ")
+            and f"the server at http://{HOST}:{port} does not answer" in err[0])
     assert f"python -m dcpjax.serve --port {port}" in err[0]
 
 

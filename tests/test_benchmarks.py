@@ -58,18 +58,18 @@ def test_bench_throughput_breakdown():
 
 
 def test_weight_bytes_count_every_device_shard():
-    """Replicated parameters are read by every device, sharded ones once in all."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+    """The weights each device holds (what bench's weight-read floor sums over the fake devices):
+    every device holds its shards, and the fullest one what the planner computes for the same layout."""
+    import jax.numpy as jnp
 
-    from dcpjax.bench.timing import host_weight_bytes
+    from dcpjax import LLM
+    from dcpjax.plan.deployment import weight_bytes_per_device
 
-    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
-    x = np.ones((8, 16), np.float32)
-    replicated = jax.device_put(x, NamedSharding(mesh, PartitionSpec()))
-    sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec("tp")))
-    assert host_weight_bytes([replicated]) == 4 * x.nbytes and host_weight_bytes([sharded]) == x.nbytes
+    llm = LLM("tiny-llama", tensor_parallel_size=8, decode_context_parallel_size=2, max_model_len=64,
+              kv_cache_memory_bytes=1 << 20)
+    held = llm.weight_bytes_by_device()
+    assert len(held) == 8 and min(held.values()) > 0
+    assert llm.weight_bytes_per_device == weight_bytes_per_device(llm.model_config, llm.parallel_config, jnp.float32)
 
 
 def test_bench_throughput_with_speculation(tmp_path):
@@ -81,8 +81,8 @@ def test_bench_throughput_with_speculation(tmp_path):
     prompts.write_text(json.dumps([[97, 98, 99] * 8, [100, 101] * 12]))
     spec = {"method": "draft_model", "model": "tiny-llama", "num_speculative_tokens": 3}
     out = _run("-m", "dcpjax.bench", "throughput", "--num-prompts", "4", "--input-len", "16", "--output-len", "12",
-               "--dataset-path", str(prompts), "--speculative-config", json.dumps(spec), "--no-breakdown", "--num-iters", "1",
-               "--json")
+               "--dataset-path", str(prompts), "--speculative-config", json.dumps(spec), "--no-breakdown",
+               "--num-iters", "1", "--json")
     result = json.loads(out[out.index("{"):])
     assert result["without_speculation"]["identical_tokens"] and result["output_tokens"] == 48
     assert result["spec_decode"]["mean_acceptance_length"] > 3 and result["speedup_vs_no_spec"] > 0

@@ -12,10 +12,10 @@ import pathlib
 import jinja2
 import pytest
 
-from dcpjax import chat_template as chat
-from dcpjax.chat_template import ChatTemplate, ChatTemplateError
 from dcpjax.serve import __main__ as serve_main
-from dcpjax.tokenizer import HFTokenizer, load_tokenizer
+from dcpjax.text import chat_template as chat
+from dcpjax.text.chat_template import ChatTemplate, ChatTemplateError
+from dcpjax.text.tokenizer import HFTokenizer, load_tokenizer
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 DATA = json.loads((FIXTURES / "chat_templates.json").read_text())
@@ -77,7 +77,7 @@ def test_cases_cover_the_environment():
 
 def test_matches_transformers_live(tokenizer_folders):
     pytest.importorskip("transformers")
-    from dcpjax.chat_template import DEFAULT_CHAT_TEMPLATE
+    from dcpjax.text.chat_template import DEFAULT_CHAT_TEMPLATE
 
     for case, case_id in zip(CASES, IDS, strict=True):
         template = None if "chat_template" in DATA["templates"][case["template"]] else DEFAULT_CHAT_TEMPLATE
@@ -95,7 +95,8 @@ def test_environment_matches_transformers():
     source = ("{{ x | tojson }}|{{ x | tojson(indent=2) }}|{{ x | tojson(ensure_ascii=true, sort_keys=true) }}|"
               "{{ x | tojson(separators=(',', ':')) }}|{% for i in range(5) %}{% if i == 1 %}{% continue %}{% endif %}"
               "{% if i == 3 %}{% break %}{% endif %}{{ i }}{% endfor %}|{{ strftime_now('%d.%m.%Y') }}")
-    text = ChatTemplate(None, chat_template=source).render([{"x": 1}], chat_template_kwargs={"x": {"b": "<é&>", "a": 1}})
+    text = ChatTemplate(None, chat_template=source).render([{"x": 1}],
+                                                           chat_template_kwargs={"x": {"b": "<é&>", "a": 1}})
     assert text.split("|") == ['{"b": "<é&>", "a": 1}', '{\n  "b": "<é&>",\n  "a": 1\n}',
                                '{"a": 1, "b": "<\\u00e9&>"}', '{"b":"<é&>","a":1}', "02", "26.07.2024"]
 

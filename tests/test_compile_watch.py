@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dcpjax import LLM, SamplingParams
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
 from dcpjax.runner.compile_watch import (
     CACHE_DIR_ENV,
     compile_watch,

@@ -13,8 +13,10 @@ def test_defaults_and_frozen():
 @pytest.mark.parametrize(
     "kwargs, rule",
     [
-        (dict(tensor_parallel_size=8, decode_context_parallel_size=3), "tensor_parallel_size % decode_context_parallel_size"),
-        (dict(tensor_parallel_size=6, decode_context_parallel_size=4), "valid decode_context_parallel_size for tensor_parallel_size=6: [1, 2, 3, 6]"),
+        (dict(tensor_parallel_size=8, decode_context_parallel_size=3),
+         "tensor_parallel_size % decode_context_parallel_size"),
+        (dict(tensor_parallel_size=6, decode_context_parallel_size=4),
+         "valid decode_context_parallel_size for tensor_parallel_size=6: [1, 2, 3, 6]"),
         (dict(cp_kv_cache_interleave_size=0), "cp_kv_cache_interleave_size must be an integer >= 1"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
         (dict(dcp_comm_backend="nccl"), "dcp_comm_backend must be one of"),

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from dcpjax.plan import Deployment, compare_with_dcp1, markdown_rows
+from dcpjax.plan.deployment import Deployment, compare_with_dcp1, markdown_rows
 
 CONFIGS = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.json"))
 
@@ -21,7 +21,8 @@ def test_deployment_is_valid_and_dcp_multiplies_capacity(path):
     plan, base = compare_with_dcp1(deployment)  # validates the TP/DCP rules for the model
     assert plan["kv_cache_size_tokens"] > 0
     # where TP alone duplicates KV, DCP k holds k times the tokens in the same bytes
-    assert plan["kv_cache_size_tokens"] / base["kv_cache_size_tokens"] == pytest.approx(deployment.parallel.dcp, rel=1e-3)
+    assert (plan["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
+            == pytest.approx(deployment.parallel.dcp, rel=1e-3))
 
 
 def test_readme_table_is_what_the_library_computes():

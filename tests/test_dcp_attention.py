@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dcpjax import ParallelConfig, append_kv, dcp_decode_attention, empty_kv_cache, make_mesh, shard_kv_cache
-from dcpjax.testing import assert_close_to_oracle, attention_f64
+from dcpjax.kernels.oracle import assert_close_to_oracle, attention_f64
 
 # name: (q_heads, kv_heads, dk, dv, latent)
 LAYOUTS = {
@@ -101,7 +101,8 @@ def test_ag_rs_equals_a2a(layout, tp, dcp):
 @pytest.mark.parametrize("block_size", [None, 8])
 @pytest.mark.parametrize("layout, tp, dcp", [("gqa", 4, 2), ("mla", 8, 8)])
 def test_pallas_backend_inside_shard_map(layout, tp, dcp, block_size):
-    got, want = run_dcp(layout, tp, dcp, interleave=2, block_size=block_size, backend="pallas", seq=32, lengths=(32, 7, 0))
+    got, want = run_dcp(layout, tp, dcp, interleave=2, block_size=block_size, backend="pallas", seq=32,
+                        lengths=(32, 7, 0))
     assert_close_to_oracle(*got, *want, atol=2e-5)
 
 

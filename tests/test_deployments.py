@@ -7,7 +7,7 @@ import tomllib
 
 import pytest
 
-from dcpjax import deployments
+from dcpjax.plan import deployments
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -34,7 +34,7 @@ def test_an_unknown_name_lists_the_shipped_ones():
 
 
 def test_found_from_another_working_directory(tmp_path):
-    code = "from dcpjax.deployments import config_path; print(config_path('deepseek-v3-tp8-dcp8').read_text()[:1])"
+    code = "from dcpjax.plan.deployments import config_path; print(config_path('deepseek-v3-tp8-dcp8').read_text()[:1])"
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr

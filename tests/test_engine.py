@@ -27,7 +27,7 @@ def test_oversubscribed_cache_preempts_and_loses_nothing(alone):
     assert llm.engine.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == alone  # recompute gives the same tokens
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks  # every block back
+    assert llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_blocks  # every block back
     assert not llm.engine.has_work()
 
 
@@ -39,15 +39,16 @@ def test_abort_frees_blocks_at_once():
     engine.add(drop)
     for _ in range(3):
         engine.step()
-    used = engine.allocator.num_blocks - engine.allocator.num_free
+    used = engine.scheduler.allocator.num_blocks - engine.scheduler.allocator.num_free
     assert drop.blocks and used == len(keep.blocks) + len(drop.blocks)
     assert engine.abort(drop.request_id)
     assert drop.finish_reason == "abort" and drop.blocks == []
-    assert engine.allocator.num_blocks - engine.allocator.num_free == len(keep.blocks)
+    assert engine.scheduler.allocator.num_blocks - engine.scheduler.allocator.num_free == len(keep.blocks)
     assert not engine.abort("no-such-request")
     while engine.has_work():
         engine.step()
-    assert keep.finish_reason == "length" and engine.allocator.num_free == engine.allocator.num_blocks
+    assert (keep.finish_reason == "length"
+            and engine.scheduler.allocator.num_free == engine.scheduler.allocator.num_blocks)
 
 
 def test_first_come_first_served_and_row_limit(alone):

@@ -6,14 +6,16 @@ import inspect
 
 import pytest
 
-from dcpjax import LLM, demo, generate
+from dcpjax import LLM
 from dcpjax.bench import __main__ as bench
 from dcpjax.bench.throughput import engine_args
-from dcpjax.config import COMM_BACKENDS
+from dcpjax.demo import __main__ as demo
+from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES
-from dcpjax.engine_args import EngineArgs
+from dcpjax.entrypoints import generate
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.serve import __main__ as serve
+from dcpjax.sharding.config import COMM_BACKENDS
 
 # every engine flag as the CLIs spelled them by hand before EngineArgs (tests and README use them)
 HAND_WRITTEN = ["--model", "--tensor-parallel-size", "-tp", "--decode-context-parallel-size", "-dcp",
@@ -140,7 +142,7 @@ def test_with_dcp_and_parallel_config():
         args.with_dcp(3).parallel_config()
 
 
-def test_create_llm():
-    llm = EngineArgs(tensor_parallel_size=8, decode_context_parallel_size=2, kv_cache_memory_bytes=1 << 20,
-                     max_model_len=64).create_llm()
+def test_llm_from_engine_args():
+    llm = LLM.from_engine_args(EngineArgs(tensor_parallel_size=8, decode_context_parallel_size=2,
+                                          kv_cache_memory_bytes=1 << 20, max_model_len=64))
     assert llm.parallel_config.dcp == 2 and llm.max_model_len == 64 and llm.kv_cache_size_tokens > 0

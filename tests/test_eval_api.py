@@ -53,7 +53,8 @@ def test_echo_returns_prompt_tokens_and_logprobs_first(client, offline):
         assert choice.text.startswith(PROMPT) and out.usage.completion_tokens == max_tokens
         if max_tokens:  # the greedy token after the prompt, with its logprob
             first = offline.outputs[0].logprobs[0][offline.outputs[0].token_ids[0]]
-            assert (lp.tokens[-1], lp.token_logprobs[-1]) == (first.decoded_token, pytest.approx(first.logprob, abs=1e-4))
+            assert (lp.tokens[-1], lp.token_logprobs[-1]) == (first.decoded_token,
+                                                              pytest.approx(first.logprob, abs=1e-4))
         else:  # the prompt alone: "length", whatever ended the token that was dropped
             assert choice.text == PROMPT and (choice.finish_reason, choice.stop_reason) == ("length", None)
 

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dcpjax.kernels.oracle import causal_conv_f64, gated_delta_f64
 from dcpjax.models.gated_delta import CHUNK, causal_conv, gated_delta_rule
-from dcpjax.testing import causal_conv_f64, gated_delta_f64
 
 SLOTS, HEADS, DK, DV, CHANNELS, TAPS = 4, 3, 8, 5, 6, 4
 # sequence -> (slot, tokens computed by each call); calls: packed prefill, rows of 2, rows of 1

@@ -19,9 +19,9 @@ import pytest
 from safetensors.numpy import save_file
 
 import dcpjax
-from dcpjax.config import ParallelConfig
 from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import ModelConfig
+from dcpjax.sharding.config import ParallelConfig
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 45))}]

@@ -12,7 +12,7 @@ import pytest
 from dcpjax.kernels import AttentionOptions, KVCache, attention, attention_pallas, decode_attention, quantize_fp8
 from dcpjax.kernels.common import check_attention_args
 from dcpjax.kernels.dispatch import resolve_backend
-from dcpjax.testing import assert_close_to_oracle, attention_f64
+from dcpjax.kernels.oracle import assert_close_to_oracle, attention_f64
 
 # name: (q_heads, kv_heads, dk, dv, latent) -- latent: MLA, V = K[..., :dv]
 LAYOUTS = {
@@ -22,8 +22,8 @@ LAYOUTS = {
     "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
 }
 CHUNK_IMPLS = {
-    "reference": lambda q, kv, n, sm_scale=None, starts=None: attention(q, kv, n, AttentionOptions(sm_scale, "reference"),
-                                                                        starts),
+    "reference": lambda q, kv, n, sm_scale=None, starts=None: attention(
+        q, kv, n, AttentionOptions(sm_scale, "reference"), starts),
     "pallas": attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
     "pallas_tpu": lambda *a, **kw: attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
 }
@@ -153,7 +153,8 @@ def test_bad_arguments_are_named(bad, match):
         kv = kv.with_block_tables(jnp.asarray(bad["tables"]))
     args = dict(q=q, lengths=lengths) | bad
     with pytest.raises(ValueError, match=match):
-        decode_attention(jnp.asarray(args["q"]), kv, jnp.asarray(args["lengths"]), AttentionOptions(backend="reference"))
+        decode_attention(jnp.asarray(args["q"]), kv, jnp.asarray(args["lengths"]),
+                         AttentionOptions(backend="reference"))
 
 
 def test_mla_needs_v_head_dim():
@@ -256,7 +257,8 @@ def test_chunk_form_gives_each_query_its_own_causal_bound(layout, impl, paged):
     values = k[..., :dv] if v is None else v
     want = attention_f64(chunk.reshape(15, *q.shape[1:]), np.repeat(k, 5, axis=0), np.repeat(values, 5, axis=0),
                          lengths.reshape(-1))
-    assert_close_to_oracle(np.asarray(out).reshape(15, *out.shape[2:]), np.asarray(lse).reshape(15, -1), *want, atol=2e-5)
+    assert_close_to_oracle(np.asarray(out).reshape(15, *out.shape[2:]), np.asarray(lse).reshape(15, -1), *want,
+                           atol=2e-5)
 
 
 @pytest.mark.parametrize("paged", [False, True])

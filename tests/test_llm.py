@@ -12,7 +12,7 @@ from dcpjax.models.config import BYTE_EOS, TINY_MODELS
 from dcpjax.models.registry import build_model
 from dcpjax.runner.step_input import CallShape
 from dcpjax.sequence import Sequence
-from dcpjax.tokenizer import ByteTokenizer
+from dcpjax.text.tokenizer import ByteTokenizer
 
 PROMPTS = ["Hello", "Decode context parallelism splits the KV cache by token. " * 5, "x"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
@@ -54,7 +54,8 @@ def test_outputs_look_like_vllm():
         assert token in step and 3 <= len(step) <= 4
         assert step[token].rank == 1  # greedy picks the best token
         assert isinstance(step[token].decoded_token, str)
-    assert completion.cumulative_logprob == pytest.approx(sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(s[t].logprob for s, t in zip(completion.logprobs, completion.token_ids)))
 
 
 def test_calls_stay_on_the_shape_grid_as_sequences_grow():
@@ -184,7 +185,8 @@ def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled
     assert make(**(kw | dict(max_model_len=4096))).kv_cache_memory_bytes == (64 << 20) // 4 // 2
     # too little for one sequence: the numbers and both flags
     monkeypatch.setattr(llm_module, "host_available_bytes", lambda: 256 << 10)
-    with pytest.raises(ValueError, match=r"max_model_len=256 needs 16 KV blocks.*--kv-cache-memory-bytes.*--max-model-len"):
+    with pytest.raises(ValueError,
+                       match=r"max_model_len=256 needs 16 KV blocks.*--kv-cache-memory-bytes.*--max-model-len"):
         make(**kw)
     # the host's memory cannot be read: the fixed fallback
     monkeypatch.setattr(llm_module, "host_available_bytes", lambda: None)

@@ -67,8 +67,7 @@ def test_a_bad_word_bans_its_last_token_after_its_prefix():
     spec = lp.logits_spec(P(bad_words=["x"]), [1, 2], [0], [[5, 6, 7], [9]])
     assert spec.bias_ids.tolist() == [9] and spec.bias_values[0] == -np.inf  # one token: always banned
     state = lp.empty_state(2, 10)
-    seqs = [type("S", (), {"slot": 1, "logits_spec": spec, "output_ids": [3, 5, 6]})()]
-    state = lp.install(state, lp.make_install(seqs[0], 10))
+    state = lp.install(state, lp.make_install(spec, 1, [3, 5, 6], 10))
     rows = lp.ProcessorRows(np.array([True]), *(np.zeros(1, np.float32),) * 2, np.ones(1, np.float32),
                             np.zeros(1, np.int32), np.zeros(1, np.int32))
     out = np.asarray(lp.apply(np.zeros((1, 10), np.float32), state, np.array([1], np.int32), rows))

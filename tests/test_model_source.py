@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from dcpjax.config import ParallelConfig
 from dcpjax.loader.model_source import generation_defaults, model_source
+from dcpjax.sharding.config import ParallelConfig
 
 PC = ParallelConfig(1, 1)
 

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from dcpjax.devices import env_without_forced_device_count
+from dcpjax.sharding.devices import env_without_forced_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "colab" / "quickstart.ipynb"

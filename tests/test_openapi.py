@@ -106,7 +106,8 @@ def error_of(response, status: int) -> dict:
         ({"prompt": "x" * 40}, "prompt", ["41 tokens", f"max_model_len={MAX_MODEL_LEN}", "shorten it to at most 31"]),
         ({"prompt": [], "max_tokens": 2}, "prompt", ["empty"]),
         ({"prompt": "hi", "max_tokens": 33}, "max_tokens", ["max_tokens=33", "max_model_len=32", "at most"]),
-        ({"prompt": ["a", "b" * 40]}, "prompt", ["prompt 1 is 41 tokens", "shorten it"]),  # each prompt of a list is checked
+        # each prompt of a list is checked
+        ({"prompt": ["a", "b" * 40]}, "prompt", ["prompt 1 is 41 tokens", "shorten it"]),
         ({"prompt": "hi", "n": 17}, "n", ["n: Input should be less than or equal to 16"]),
         ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ["needs echo=true"]),
         ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", ["max_logprobs=20", "--max-logprobs"]),

@@ -13,11 +13,11 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 import dcpjax
-from dcpjax.config import ParallelConfig
 from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import padded_size, param, unsplittable_dims
 from dcpjax.models.registry import build_model, layout_problems
+from dcpjax.sharding.config import ParallelConfig
 
 PARAMS = dcpjax.SamplingParams(temperature=0, max_tokens=10)
 PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8, 9]}, {"prompt_token_ids": list(range(3, 40))}]

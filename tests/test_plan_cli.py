@@ -7,9 +7,12 @@ import re
 
 import pytest
 
-from dcpjax import cli, plan, planner
-from dcpjax.config import ParallelConfig
+from dcpjax.entrypoints import cli
 from dcpjax.models.config import ModelConfig
+from dcpjax.plan import __main__ as plan
+from dcpjax.plan import planner
+from dcpjax.plan.deployment import weight_bytes_per_device
+from dcpjax.sharding.config import ParallelConfig
 
 # a small Llama in Hugging Face config.json fields (8 query heads, 2 KV heads)
 HF_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -39,14 +42,14 @@ def test_a_deployment_file_sets_the_defaults_and_flags_win(tmp_path, capsys):
     assert result["from_file"] == sorted(["tensor_parallel_size", "weight_dtype", "kv_cache_dtype", "block_size",
                                           "memory_gb", "memory_utilization"])
     for row in (r for r in result["sizes"] if r["valid"]):
-        assert row["weight_bytes_per_device"] == plan.weight_bytes_per_device(cfg, ParallelConfig(4, row["dcp"]),
+        assert row["weight_bytes_per_device"] == weight_bytes_per_device(cfg, ParallelConfig(4, row["dcp"]),
                                                                               "float32")
     flags = _plan(capsys, "--model", path, "-tp", "8", "--weight-dtype", "bfloat16", "--block-size", "16",
                   "--memory-gb", "0.004", "--memory-utilization", "0.9", "--kv-cache-dtype", "bfloat16")
     assert (flags["tp"], flags["weight_dtype"], flags["block_size"], flags["from_file"]) == (8, "bfloat16", 16, [])
     assert flags["device"]["memory_gb"] == 0.004 and [r["dcp"] for r in flags["sizes"]] == [1, 2, 4, 8]
     valid = next(r for r in flags["sizes"] if r["valid"])
-    assert valid["weight_bytes_per_device"] == plan.weight_bytes_per_device(cfg, ParallelConfig(8, valid["dcp"]),
+    assert valid["weight_bytes_per_device"] == weight_bytes_per_device(cfg, ParallelConfig(8, valid["dcp"]),
                                                                             "bfloat16")
     # an explicit device is its preset's memory, not the file's
     b200 = _plan(capsys, "--model", path, "--device", "b200")["device"]

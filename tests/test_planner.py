@@ -14,10 +14,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dcpjax
-from dcpjax import cli, plan, planner
-from dcpjax.config import ParallelConfig
+from dcpjax.entrypoints import cli
 from dcpjax.kernels import KVPools, LinearState
 from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.plan import __main__ as plan
+from dcpjax.plan import planner
+from dcpjax.plan.deployment import Deployment, memory_plan
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import hlo_collective_bytes
 
 LLAMA = TINY_MODELS["tiny-llama"]
@@ -67,8 +70,8 @@ def test_a_hybrids_kv_and_state_are_what_the_runner_allocates(dcp):
     folder = pathlib.Path(__file__).parent / "fixtures" / "qwen3-next"
     cfg, pc, budget = ModelConfig.from_pretrained(folder), ParallelConfig(8, dcp), 3 << 20
     row = _row(cfg, pc, memory_gb=budget / 1e9)
-    llm = dcpjax.LLM(str(folder), tensor_parallel_size=8, decode_context_parallel_size=dcp, kv_cache_memory_bytes=budget,
-                     max_model_len=256, max_num_seqs=WORKLOAD.concurrency)
+    llm = dcpjax.LLM(str(folder), tensor_parallel_size=8, decode_context_parallel_size=dcp,
+                     kv_cache_memory_bytes=budget, max_model_len=256, max_num_seqs=WORKLOAD.concurrency)
     assert row["kv_cache_size_tokens"] == llm.kv_cache_size_tokens
     caches = llm.runner.kv_caches
     kv = sum(c.bytes_per_device() for c in caches if isinstance(c, KVPools))
@@ -80,10 +83,10 @@ def test_a_hybrids_kv_and_state_are_what_the_runner_allocates(dcp):
     crowded = _row(cfg, pc, memory_gb=state * 1.001 / 1e9)
     assert crowded["rejected_by"] == "weights" and "4 sequences' linear-attention state" in crowded["rules_broken"][0]
     # a deployment file's max_num_seqs slots of state: the same words, and the fix names max_num_seqs
-    deployment = plan.Deployment("hybrid", cfg, pc, device_memory_bytes=state * 4, memory_utilization=1.0,
+    deployment = Deployment("hybrid", cfg, pc, device_memory_bytes=state * 4, memory_utilization=1.0,
                                  weight_dtype="float32", max_num_seqs=1000)
     with pytest.raises(ValueError, match="1000 sequences' linear-attention state .* or lower max_num_seqs"):
-        plan.memory_plan(deployment)
+        memory_plan(deployment)
 
 
 @pytest.mark.parametrize("comm", ["ag_rs", "a2a"])

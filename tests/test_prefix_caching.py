@@ -6,7 +6,7 @@ import pytest
 
 from dcpjax import LLM, SamplingParams
 from dcpjax.engine.block_pool import BlockPool
-from dcpjax.testing import assert_same_generations
+from dcpjax.kernels.oracle import assert_same_generations
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 
@@ -112,7 +112,7 @@ def test_cached_equals_uncached(model, tp, dcp, interleave, comm, kv_dtype):
               dcp_comm_backend=comm, kv_cache_dtype=kv_dtype, block_size=4 * interleave, max_model_len=512,
               kv_cache_memory_bytes=1 << 20, max_num_batched_tokens=32, enable_prefix_caching=False)
     unit = 4 * interleave * dcp  # tokens per virtual block
-    pool = llm.engine.allocator
+    pool = llm.engine.scheduler.allocator
     uncached = _run_rounds(llm, unit)
     assert pool.num_cached == 0 and all(o.num_cached_tokens == 0 for o in uncached)
 
@@ -142,10 +142,10 @@ def test_preemption_and_aborts_keep_references_exact():
     cache, aborts drop references, and when idle every block is free again."""
     llm = LLM("tiny-llama", tensor_parallel_size=4, decode_context_parallel_size=2, block_size=8,
               kv_cache_memory_bytes=14 * 2048, max_model_len=128, max_num_batched_tokens=32)
-    assert llm.engine.allocator.num_blocks == 14  # 224 tokens
+    assert llm.engine.scheduler.allocator.num_blocks == 14  # 224 tokens
     prompts = [("shared prefix " * 4)[: 32 + 8 * (i % 3)] + f" {i}" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    pool = llm.engine.allocator
+    pool = llm.engine.scheduler.allocator
     pool.enable_caching = False
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     pool.enable_caching = True

@@ -43,7 +43,7 @@ def test_preemption_recomputes_the_state_exactly():
     assert llm.engine.num_preemptions > 0
     for case, output in zip(CASES * 2, outputs):
         assert output.outputs[0].token_ids == case["greedy"], f"prompt of {len(case['prompt'])} tokens"
-    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+    assert llm.engine.scheduler.allocator.num_free == llm.engine.scheduler.allocator.num_blocks
 
 
 def _bytes_for_blocks(blocks: int) -> int:

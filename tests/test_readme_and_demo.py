@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from dcpjax.devices import env_without_forced_device_count
+from dcpjax.sharding.devices import env_without_forced_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -109,14 +109,14 @@ COMMANDS = [(_name(path), words) for path in DOCS for words in _commands(path)]
 
 
 def _parse(module: str, argv: list[str]):
-    from dcpjax import cli
+    from dcpjax.entrypoints import cli
 
     if module == "dcpjax":  # python -m dcpjax COMMAND ARGS
         if not argv:
             return None
         module, argv = f"dcpjax.{argv[0]}", argv[1:]
     if module == "dcpjax.generate":
-        from dcpjax import generate
+        from dcpjax.entrypoints import generate
 
         return cli.parse_with_model(generate.build_parser(), argv)
     if module == "dcpjax.serve":
@@ -128,11 +128,11 @@ def _parse(module: str, argv: list[str]):
 
         return bench.parse_args(argv)
     if module == "dcpjax.plan":
-        from dcpjax import plan
+        from dcpjax.plan import __main__ as plan
 
         return plan.build_parser().parse_args(argv)
     if module == "dcpjax.demo":
-        from dcpjax import demo
+        from dcpjax.demo import __main__ as demo
 
         return demo.build_parser().parse_args(argv)
     raise AssertionError(f"no such command: python -m {module}")
@@ -140,7 +140,7 @@ def _parse(module: str, argv: list[str]):
 
 @pytest.mark.parametrize("words", [w for _, w in COMMANDS], ids=[f"{n}-cmd{i}" for i, (n, _) in enumerate(COMMANDS)])
 def test_doc_command_lines_parse(words):
-    from dcpjax.config import ParallelConfig
+    from dcpjax.sharding.config import ParallelConfig
 
     try:
         args = _parse(words[0], words[1:])

@@ -127,3 +127,38 @@ def test_finish_and_reset_free_every_block_and_slot():
 def test_a_bad_token_budget_is_refused():
     with pytest.raises(ValueError, match="power of two, got 12"):
         SchedulerConfig(max_model_len=64, max_num_batched_tokens=12)
+
+
+def test_the_runner_gets_a_message_of_ids_counts_and_copied_block_ids():
+    """`runner_call`: no Sequence crosses to the runner; block ids are a read-only copy of the table
+    rows; a request's data comes with its first chunk after admission, its id once it finished."""
+    scheduler = make_scheduler()
+    a, b = make_seq("a", 6, temperature=0.5), make_seq("b", 3, first=50)
+    scheduler.add(a)
+    scheduler.add(b)
+    step = scheduler.schedule()
+    call = scheduler.runner_call(step.prefill)
+    assert [(c.request_id, c.slot, c.start, c.count, c.samples, c.input_ids) for c in call.chunks] == [
+        ("a", a.slot, 0, 6, True, (1, 2, 3, 4, 5, 6)), ("b", b.slot, 0, 3, True, (50, 51, 52))]
+    assert [n.request_id for n in call.new_requests] == ["a", "b"] and call.new_requests[0].params.temperature == 0.5
+    assert not any(isinstance(v, Sequence) for c in call.chunks for v in vars(c).values())
+    blocks = call.chunks[0].block_ids
+    assert blocks.tolist() == a.blocks and not blocks.flags.writeable
+    scheduler.block_tables[a.slot, 0] = 999  # the scheduler's own table moves on; the message does not
+    assert blocks.tolist() == a.blocks
+    read(scheduler, step.prefill, {"a": [7], "b": [8]})
+    scheduler.finish(b)
+    step = scheduler.schedule()
+    call = scheduler.runner_call(step.decode)
+    assert [c.request_id for c in call.chunks] == ["a"] and call.chunks[0].input_ids == (7,)
+    assert call.new_requests == () and call.finished_request_ids == {"b"}
+    assert scheduler.runner_call(step.decode).finished_request_ids == set()  # told once
+
+
+def test_a_request_id_already_queued_or_running_is_refused():
+    scheduler = make_scheduler()
+    scheduler.add(make_seq("a", 4))
+    with pytest.raises(ValueError, match="request id 'a' is already queued or running"):
+        scheduler.add(make_seq("a", 4))
+    scheduler.finish(scheduler.find("a"))
+    scheduler.add(make_seq("a", 4))  # free again once finished

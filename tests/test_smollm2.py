@@ -94,8 +94,8 @@ def test_dequantized_tensors_match_transformers(gguf_path):
 
 
 def test_tokenizer_and_chat_template_match_transformers(gguf_path):
-    from dcpjax.chat_template import ChatTemplate
     from dcpjax.loader.gguf_loader import tokenizer as gguf_tokenizer
+    from dcpjax.text.chat_template import ChatTemplate
 
     tokenizer = gguf_tokenizer(gguf_path)
     for case in EXPECTED["tokenizer"]:

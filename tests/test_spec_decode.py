@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from dcpjax import LLM, SamplingParams
+from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.requests import RequestError
-from dcpjax.engine_args import EngineArgs
+from dcpjax.kernels.oracle import assert_same_generations
 from dcpjax.sampling import SamplerConfig, SamplingRows, sample, sampler_config
 from dcpjax.sampling.verify import verify_drafts
 from dcpjax.serve.metrics import Metrics
 from dcpjax.spec_decode import SpeculativeConfig
 from dcpjax.spec_decode.ngram import propose_ngram
-from dcpjax.testing import assert_same_generations
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # the same model drafting for itself: (nearly) every draft is accepted, so long runs of accepted
@@ -46,7 +46,8 @@ def test_config_checks_name_the_problem():
         with pytest.raises(ValueError, match=message):
             SpeculativeConfig.from_dict(value)
     with pytest.raises(ValueError, match="draft_tensor_parallel_size=2 is not supported"):
-        SpeculativeConfig.from_dict({**SELF_DRAFT, "model": "tiny-llama", "draft_tensor_parallel_size": 2}).check_draft_tp(4)
+        SpeculativeConfig.from_dict({**SELF_DRAFT, "model": "tiny-llama",
+                                     "draft_tensor_parallel_size": 2}).check_draft_tp(4)
 
 
 def test_cli_flag_takes_json_and_names_the_problem(capsys):
@@ -151,7 +152,7 @@ def _baseline(model: str):
 
 
 def _assert_idle(llm):
-    pool = llm.engine.allocator
+    pool = llm.engine.scheduler.allocator
     assert pool.num_free == pool.num_blocks and not any(pool.ref_counts)
     assert not llm.engine.running and not llm.engine.waiting
 

@@ -1,8 +1,12 @@
-"""The flat call input on its own: what the host packs by name, the device unpacks by name."""
+"""The flat call input on its own: what the host packs by name, the device unpacks by name; what the
+runner keeps of each request from the scheduler's messages."""
 
 import numpy as np
+import pytest
 
 from dcpjax.runner import step_input
+from dcpjax.runner.messages import NewRequestData, ScheduledCall
+from dcpjax.runner.request_states import RequestStates
 from dcpjax.runner.step_input import CallShape
 from dcpjax.sampling import SamplingParams
 
@@ -59,12 +63,16 @@ def test_a_packed_call_carries_page_offsets_and_prompt_targets():
     assert call.array.size == shape.size == 6 * 8 + 6 + 4 * len(step_input.FIELDS)
 
 
-def test_a_request_is_packed_once_and_dropped_with_it():
-    class Seq:
-        params, seed, logits_spec = SamplingParams(), 3, None
-
-    cache, seq = step_input.RequestCache(), Seq()
-    first = cache.values(seq)
-    assert cache.values(seq) is first and len(cache._values) == 1
-    del seq
-    assert len(cache._values) == 0
+def test_the_runner_keeps_requests_by_id_from_the_schedulers_messages():
+    """New requests are learnt, finished ones forgotten first (an id may come back as a new request),
+    and a chunk of a request the runner was never told of is a clear error."""
+    states = RequestStates()
+    new = lambda rid, temperature: NewRequestData(rid, SamplingParams(temperature=temperature), 3, 4)
+    states.update(ScheduledCall((), (new("a", 0.5), new("b", 0.0))))
+    assert len(states) == 2
+    np.testing.assert_array_equal(states["a"].values, step_input.request_values(SamplingParams(temperature=0.5), 3,
+                                                                                False))
+    states.update(ScheduledCall((), (new("a", 1.0),), finished_request_ids=frozenset({"a", "b"})))
+    assert len(states) == 1 and states["a"].data.params.temperature == 1.0
+    with pytest.raises(KeyError, match="never told of request 'b'"):
+        states["b"]

@@ -21,7 +21,8 @@ from dcpjax.serve.tools.calls import ToolConfig
 
 MODEL = "tiny"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 TEMPLATE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"
             "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}"
             "{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")

@@ -49,7 +49,8 @@ WELL_FORMED = [
     ("hermes", hermes(call_json("a", {"x": 1})) + "\n" + hermes(call_json("b", {})) + "\n",
      [("a", {"x": 1}), ("b", {})], None),
     ("hermes", hermes(call_json("translate", UNICODE)), [("translate", UNICODE)], None),
-    ("hermes", hermes('{"arguments":{"s":"\\u00e9\\ud83d\\ude00\\/\\t","n":[1.50,1e3,-0,false]},"type":"x","name":"f"}'),
+    ("hermes", hermes('{"arguments":{"s":"\\u00e9\\ud83d\\ude00\\/\\t","n":[1.50,1e3,-0,false]},'
+                      '"type":"x","name":"f"}'),
      [("f", {"s": "é😀/\t", "n": [1.5, 1000.0, 0, False]})], None),
     ("hermes", hermes('{"name": "get_time"}'), [("get_time", {})], None),
     ("hermes", hermes('{"name": "code", "arguments": {"src": "line one\nline two"}}'),
@@ -121,7 +122,8 @@ def summarize(deltas: list[DeltaMessage]):
             continue
         (tool,) = delta.tool_calls
         if "id" in tool:
-            assert tool["index"] == len(calls) and tool["type"] == "function" and tool["id"].startswith("chatcmpl-tool-")
+            assert (tool["index"] == len(calls) and tool["type"] == "function"
+                    and tool["id"].startswith("chatcmpl-tool-"))
             assert set(tool) == {"index", "id", "type", "function"} and set(tool["function"]) == {"name"}
             calls.append([tool["id"], tool["function"]["name"], ""])
         else:
@@ -170,7 +172,8 @@ def test_malformed_output_falls_back_to_content(parser_name, text):
 LATER_MALFORMED = [  # (parser, text, the calls completed before it broke, the rest of the text)
     ("hermes", hermes(call_json("a", {"x": 1})) + "\n" + hermes('{"name": "b", "arguments": {"y": }}'), ["a"],
      "\n" + hermes('{"name": "b", "arguments": {"y": }}')),
-    ("hermes", hermes(call_json("a", {})) + "<tool_call>" + call_json("b", {}), ["a"], "<tool_call>" + call_json("b", {})),
+    ("hermes", hermes(call_json("a", {})) + "<tool_call>" + call_json("b", {}), ["a"],
+     "<tool_call>" + call_json("b", {})),
     ("llama3_json", call_json("a", {}, "parameters") + "; ", ["a"], "; "),
     ("llama3_json", call_json("a", {}, "parameters") + ';{"name": "b"', ["a"], ';{"name": "b"'),
     ("deepseek_v3", deepseek(("a", "{}"))[: -len(CALLS_END)] + "junk", ["a"], "junk"),
@@ -238,7 +241,8 @@ def rewrite(text: str, chunk: int = 0) -> str:
 
 
 @pytest.mark.parametrize("text", [
-    "{}", '{"a": []}', '{ "a" : { } , "b":[ [ ] , {} ] }', '{"n": [0, -0, 1.0, 1.50, 1e3, -2E-2, 1e+2, 12345678901234567890]}',
+    "{}", '{"a": []}', '{ "a" : { } , "b":[ [ ] , {} ] }',
+    '{"n": [0, -0, 1.0, 1.50, 1e3, -2E-2, 1e+2, 12345678901234567890]}',
     '{"s": "\\"\\\\\\/\\b\\f\\n\\r\\t\\u0001\\u001F\\u007f\\u2028 é 😀 \\ud83d\\ude00"}', '{"raw": "tab\there\nnew"}',
     '{"t": true, "f": false, "z": null, "dup": 1, "dup": 2}', '{"\\u00e9": {"deep": [[[{"x": "y"}]]]}}',
 ])

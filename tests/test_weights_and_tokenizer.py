@@ -9,7 +9,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import dcpjax
-from dcpjax.tokenizer import HFTokenizer, decode_stream
+from dcpjax.text.tokenizer import HFTokenizer, decode_stream
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 PARAMS = dcpjax.SamplingParams(temperature=0, max_tokens=8)

@@ -25,12 +25,12 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from dcpjax import cli
 from dcpjax.bench.serving import bench_server, served_model, start_bench_server
 from dcpjax.bench.sweep import add_arguments as add_sweep_arguments
 from dcpjax.bench.throughput import add_arguments as add_throughput_arguments
 from dcpjax.bench.throughput import positive_int
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
+from dcpjax.entrypoints import cli
 
 # compare's engine defaults: a mesh where DCP 2 is valid for tiny-llama, room for prefill chunks
 COMPARE_DEFAULTS = {"tensor_parallel_size": 8, "decode_context_parallel_size": 2, "max_num_batched_tokens": 512}
@@ -123,7 +123,8 @@ def table(results: dict[str, dict]) -> str:
     ]
     for metric in ("ttft", "tpot", "itl"):
         for stat in ("mean_ms", "median_ms", "p99_ms"):
-            lines.append(_row(f"{metric.upper()} {stat.replace('_ms', '')} (ms)", lambda r, m=metric, s=stat: r[m][s], runs))
+            lines.append(_row(f"{metric.upper()} {stat.replace('_ms', '')} (ms)", lambda r, m=metric, s=stat: r[m][s],
+                              runs))
     lines.append(_row("peak KV usage", lambda r: 100 * r["peak_kv_cache_usage"], runs, "{:.0f}%"))
     lines.append(_row("prefix cache hit rate", lambda r: 100 * r["prefix_cache_hit_rate"], runs, "{:.0f}%"))
     for kind in ("hit", "miss"):

@@ -13,7 +13,7 @@ import urllib.parse
 import urllib.request
 
 from dcpjax.bench.client import make_prefix_repetition_prompts, make_prompts, run_benchmark
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
 from dcpjax.serve.process.launch import ServerProcess, start_server
 
 
@@ -80,7 +80,8 @@ def bench_server(base_url: str, model: str, args) -> dict:
     warmups = warmup_count(args)
     if warmups:
         asyncio.run(run_benchmark(
-            base_url, model, prompts=prompts_for(args, warmups, warmup=True), output_len=warmup_output_lens(args, warmups),
+            base_url, model, prompts=prompts_for(args, warmups, warmup=True),
+            output_len=warmup_output_lens(args, warmups),
             max_concurrency=args.max_concurrency, api_key=args.api_key, progress=not args.no_progress,
             desc="warm-up",
         ))

@@ -21,7 +21,7 @@ import json
 import pathlib
 
 from dcpjax.bench.serving import bench_server, metric_value, served_model, start_bench_server
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
 
 CSV_FIELDS = ("server", "dcp", "input_len", "concurrency", "completed", "failed", "ttft_p50_ms", "ttft_p99_ms",
               "tpot_p50_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_throughput", "kv_cache_size_tokens",
@@ -57,7 +57,8 @@ def _stage_args(args, input_len: int, concurrency: int, index: int) -> argparse.
     stage.seed = args.seed + index
     stage.dataset, stage.input_len, stage.max_concurrency = "random", input_len, concurrency
     stage.num_prompts = args.prompts_per_stage or max(4, 2 * concurrency)
-    stage.num_warmups, stage.no_progress, stage.request_rate = None, True, float("inf")  # serving.warmup_count's warm-up
+    # serving.warmup_count's warm-up
+    stage.num_warmups, stage.no_progress, stage.request_rate = None, True, float("inf")
     return stage
 
 
@@ -82,7 +83,8 @@ def sweep_server(base_url: str, label: str, dcp: int, args, headers: dict) -> li
                 print(f"{label}: stage (context {input_len}, concurrency {concurrency}) failed: {row['error']}; "
                       "stopping this server's sweep (later stages are larger)")
                 return stages
-            print(f"{label}: context {input_len}, concurrency {concurrency}: TTFT p50 {row['ttft']['median_ms']:.1f} ms, "
+            print(f"{label}: context {input_len}, concurrency {concurrency}: "
+                  f"TTFT p50 {row['ttft']['median_ms']:.1f} ms, "
                   f"TPOT p50 {row['tpot']['median_ms'] or 0:.2f} ms, {row['output_throughput']:.1f} tok/s")
     return stages
 
@@ -103,10 +105,10 @@ def kv_capacity(engine_args: EngineArgs) -> dict[int, int]:
     """KV tokens one replica holds at each valid DCP size, same bytes per device (the runner's layout)."""
     import jax.numpy as jnp
 
-    from dcpjax.config import ParallelConfig
     from dcpjax.loader.model_source import load_model_config
     from dcpjax.runner.kv_budget import CPU_DEFAULT_KV_BYTES
     from dcpjax.runner.kv_layout import kv_cache_layout
+    from dcpjax.sharding.config import ParallelConfig
 
     cfg = load_model_config(engine_args.model)
     tp, capacity = engine_args.tensor_parallel_size, {}

@@ -40,7 +40,8 @@ import argparse
 import json
 import time
 
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
+from dcpjax.llm import LLM
 
 
 def positive_int(text: str) -> int:
@@ -97,21 +98,17 @@ def _file_prompts(path: str, num: int, length: int, vocab: int) -> list[list[int
 
 
 def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
-    from dcpjax.engine.core import StepTimings
-
     engine = llm.engine
     engine.async_scheduling = async_scheduling and engine.proposer is None  # speculation runs synchronously
-    engine.timings = StepTimings()
-    if engine.spec_stats is not None:
-        engine.spec_stats.reset()
+    engine.reset_stats()
     llm.reset_prefix_cache()  # every pass computes every prompt: the warm-up's prefixes are no head start
-    compiled = llm.runner.compiled_step_count
+    compiled = llm.compiled_step_count
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(seconds=seconds, output_tokens=tokens, timings=engine.timings.as_dict(),
-                recompilations=llm.runner.compiled_step_count - compiled, outputs=outputs,
+                recompilations=llm.compiled_step_count - compiled, outputs=outputs,
                 spec_decode=engine.spec_stats.as_dict() if engine.spec_stats is not None else None)
 
 
@@ -134,7 +131,8 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 
     logits = jax.numpy.asarray(np.random.default_rng(0).normal(size=(batch, vocab)).astype(np.float32))
     zeros = jax.numpy.zeros(batch, jax.numpy.float32)
-    rows = SamplingRows(zeros, zeros.astype(np.int32), zeros + 1, zeros, zeros.astype(np.uint32), zeros.astype(np.int32))
+    rows = SamplingRows(zeros, zeros.astype(np.int32), zeros + 1, zeros, zeros.astype(np.uint32),
+                        zeros.astype(np.int32))
     fn = jax.jit(lambda x: sample(x, rows, SamplerConfig()).tokens)
     return 1e3 * median_seconds(lambda: fn(logits), 20)
 
@@ -142,11 +140,11 @@ def _sampling_ms(vocab: int, batch: int) -> float:
 def _weight_read_floor(llm) -> dict:
     """The weight-read floor of one step (see the module docstring), measured now; on CPU only
     (an accelerator reads its weights from its own memory, not the host's)."""
-    from dcpjax.bench.timing import host_weight_bytes, read_bandwidth
+    from dcpjax.bench.timing import read_bandwidth
 
     if llm.mesh.devices.flat[0].platform != "cpu":
         return {}
-    weight_bytes, bandwidth = host_weight_bytes(llm.runner._param_leaves), read_bandwidth()
+    weight_bytes, bandwidth = sum(llm.weight_bytes_by_device().values()), read_bandwidth()  # every fake device's
     return dict(weight_bytes=weight_bytes, read_bandwidth_GBps=bandwidth / 1e9,
                 weight_read_floor_ms=1e3 * weight_bytes / bandwidth)
 
@@ -162,7 +160,8 @@ def check_transformers(model: str) -> None:
         raise SystemExit(f"--model: {error}") from None
     if kind not in ("hf", "gguf"):
         raise SystemExit("--compare-transformers needs --model to be a Hugging Face folder, a GGUF file or a built-in "
-                         f"pretrained model ({', '.join(BUILTIN_GGUF)}); benchmarks/make_hf_llama.py writes a tiny Llama")
+                         f"pretrained model ({', '.join(BUILTIN_GGUF)}); "
+                         "benchmarks/make_hf_llama.py writes a tiny Llama")
     needed = ["torch", "transformers"] + (["gguf", "accelerate"] if kind == "gguf" else [])
     import importlib.util
 
@@ -214,8 +213,8 @@ def _without_speculation(engine: EngineArgs, prompts, params, spec_outputs, iter
     """The same workload on the same engine without speculation (its own scheduling mode)."""
     import dataclasses
 
-    llm = dataclasses.replace(engine, speculative_config=None).create_llm()
-    mode = llm.engine.async_scheduling
+    llm = LLM.from_engine_args(dataclasses.replace(engine, speculative_config=None))
+    mode = llm.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up
     run = _median_generate(llm, prompts, params, mode, iters)
     same = [o.outputs[0].token_ids for o in run["outputs"]] == [o.outputs[0].token_ids for o in spec_outputs]
@@ -233,7 +232,7 @@ def run(args: argparse.Namespace) -> dict:
 
     import dcpjax
 
-    llm = engine.create_llm()
+    llm = LLM.from_engine_args(engine)
     max_num_seqs = engine.max_num_seqs
     vocab = llm.model_config.vocab_size
     if args.dataset_path:
@@ -241,7 +240,7 @@ def run(args: argparse.Namespace) -> dict:
     else:
         prompts = _prompts(args.num_prompts, args.input_len, vocab, args.seed)
     params = dcpjax.SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    mode = llm.engine.async_scheduling
+    mode = llm.async_scheduling
     _timed_generate(llm, prompts, params, mode)  # warm-up: compiles every shape of the workload
     main = _median_generate(llm, prompts, params, mode, args.num_iters)
     result = dict(
@@ -251,7 +250,8 @@ def run(args: argparse.Namespace) -> dict:
         dataset=args.dataset_path or "random",
         num_iters=args.num_iters, elapsed_s=main["seconds"], all_elapsed_s=main["all_seconds"],
         output_tokens=main["output_tokens"],
-        output_throughput=main["output_tokens"] / main["seconds"], request_throughput=args.num_prompts / main["seconds"],
+        output_throughput=main["output_tokens"] / main["seconds"],
+        request_throughput=args.num_prompts / main["seconds"],
         recompilations=main["recompilations"], timings=main["timings"],
         sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
         **_weight_read_floor(llm),
@@ -274,7 +274,8 @@ def run(args: argparse.Namespace) -> dict:
         result["transformers"] = dict(elapsed_s=hf["seconds"], all_elapsed_s=hf["all_seconds"],
                                       output_throughput=hf["output_tokens"] / hf["seconds"],
                                       version=hf["version"], torch=hf["torch"],
-                                      greedy_tokens_match=hf["token_ids"] == [o.outputs[0].token_ids for o in main["outputs"]])
+                                      greedy_tokens_match=hf["token_ids"] == [o.outputs[0].token_ids
+                                                                              for o in main["outputs"]])
         result["ratio_vs_transformers"] = result["output_throughput"] / result["transformers"]["output_throughput"]
     return result
 
@@ -288,19 +289,23 @@ def report(r: dict) -> str:
         (f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
          f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling"),
         (f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
-         f"elapsed {r['elapsed_s']:.3f} s (median of {r['num_iters']}), {t['steps']} steps ({t['model_calls']} model calls), "
+         f"elapsed {r['elapsed_s']:.3f} s (median of {r['num_iters']}), "
+         f"{t['steps']} steps ({t['model_calls']} model calls), "
          f"recompilations while timed: {r['recompilations']}"),
         "",
-        "| per step (ms) | schedule | propose (drafts) | prepare + transfer | dispatch | wait (device) | process (detok, stops) | host total |",
+        ("| per step (ms) | schedule | propose (drafts) | prepare + transfer | dispatch | wait (device) "
+         "| process (detok, stops) | host total |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|",
         (f"| mean | {per_step('schedule'):.3f} | {per_step('propose'):.3f} | {per_step('prepare'):.3f} | "
          f"{per_step('dispatch'):.3f} | {per_step('wait'):.3f} | {per_step('process'):.3f} | "
          f"{sum(per_step(k) for k in ('schedule', 'propose', 'prepare', 'dispatch', 'process')):.3f} |"),
         "",
-        f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): {r['sampling_ms_in_step']:.3f} ms",
+        (f"sampling inside the step (greedy, batch {r['sampling_batch']}, measured alone): "
+         f"{r['sampling_ms_in_step']:.3f} ms"),
     ]
     if "weight_read_floor_ms" in r:
-        lines.append(f"weight-read floor of a step: {r['weight_read_floor_ms']:.3f} ms ({r['weight_bytes'] / 1e6:,.1f} MB "
+        lines.append(f"weight-read floor of a step: {r['weight_read_floor_ms']:.3f} ms "
+                     f"({r['weight_bytes'] / 1e6:,.1f} MB "
                      f"of parameters at {r['read_bandwidth_GBps']:.1f} GB/s, this host's read bandwidth measured now)")
     if "device_s" in r:
         step_ms = 1e3 * r["device_s"] / steps
@@ -316,7 +321,8 @@ def report(r: dict) -> str:
             f"{sd['mean_acceptance_length']:.2f}, acceptance rate {100 * sd['acceptance_rate']:.1f}%, accepted per "
             f"position {sd['accepted_per_position']} of {sd['num_drafts']} drafts; without speculation "
             f"({'async' if base['async_scheduling'] else 'sync'}): {base['output_throughput']:,.0f} tokens/s in "
-            f"{base['steps']} steps; speed-up {r['speedup_vs_no_spec']:.2f}x; identical tokens: {base['identical_tokens']}")
+            f"{base['steps']} steps; speed-up {r['speedup_vs_no_spec']:.2f}x; "
+            f"identical tokens: {base['identical_tokens']}")
     if "transformers" in r:
         hf = r["transformers"]
         lines.append(f"transformers {hf['version']} (torch {hf['torch']}) generate: {hf['output_throughput']:,.0f} "

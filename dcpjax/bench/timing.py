@@ -40,7 +40,3 @@ def read_bandwidth(threads: int | None = None, mib: int = 512, iters: int = 5) -
     return data.nbytes / best
 
 
-def host_weight_bytes(leaves) -> int:
-    """Bytes of every device's shards of `leaves` (the parameters): what one step reads in all,
-    which fake CPU devices read from one host's memory."""
-    return sum(shard.data.nbytes for leaf in leaves for shard in leaf.addressable_shards)

@@ -8,9 +8,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import check_attention_backend
 from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.spec_decode.config import SpeculativeConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,

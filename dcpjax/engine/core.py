@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from dcpjax.engine.block_pool import BlockPool, PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
@@ -30,10 +31,31 @@ from dcpjax.engine.scheduler import Scheduler
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.step_output import StepResult
-from dcpjax.sequence import Sequence
+from dcpjax.sequence import ScheduledRow, Sequence
 from dcpjax.spec_decode.stats import SpecDecodeStats
 
 __all__ = ["BlockPool", "Engine", "Sequence", "StepStats", "StepTimings"]
+
+
+class InFlight(NamedTuple):
+    """A dispatched call: the engine's rows (row i is the result's row i) and the runner's handle."""
+
+    rows: list[ScheduledRow]
+    result: StepResult
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (`Engine.stats`)."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of KV blocks in use
+    num_preemptions: int
+    prefix_cache: PrefixCacheStats
+    num_cached_blocks: int  # blocks the prefix cache holds
+    steps_compiled_after_ready: int  # model and sampler shapes XLA compiled after the server said ready
+    spec_decode: SpecDecodeStats | None  # drafts proposed and accepted (None: no speculative decoding)
 
 
 @dataclasses.dataclass
@@ -74,7 +96,7 @@ class Engine:
         self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats)
         self.processor = OutputProcessor(tokenizer, eos_token_ids)
         self.async_scheduling = config.async_scheduling and proposer is None
-        self.in_flight: list[StepResult] = []  # dispatched, not yet read
+        self.in_flight: list[InFlight] = []  # dispatched, not yet read
         self.timings = StepTimings()
 
     # -- requests --------------------------------------------------------------------------
@@ -99,11 +121,10 @@ class Engine:
         for seq in [*self.scheduler.waiting, *self.scheduler.running]:
             seq.finish_reason = "abort"
         self.scheduler.reset()
-        self.scheduler.allocator.reset()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name); False while requests hold blocks."""
-        return self.scheduler.allocator.reset()
+        return self.scheduler.reset_prefix_cache()
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -111,11 +132,25 @@ class Engine:
     # queues and counters, as the server's metrics and the tests read them
     waiting = property(lambda self: self.scheduler.waiting)
     running = property(lambda self: self.scheduler.running)
-    allocator = property(lambda self: self.scheduler.allocator)
     num_preemptions = property(lambda self: self.scheduler.num_preemptions)
     kv_usage = property(lambda self: self.scheduler.kv_usage)
-    prefix_cache_stats: PrefixCacheStats = property(lambda self: self.scheduler.allocator.stats)
-    num_cached_blocks = property(lambda self: self.scheduler.allocator.num_cached)
+    prefix_cache_stats: PrefixCacheStats = property(lambda self: self.scheduler.prefix_cache_stats)
+    num_cached_blocks = property(lambda self: self.scheduler.num_cached_blocks)
+
+    def reset_stats(self) -> None:
+        """Start counting step timings and speculative acceptance afresh (a benchmark's timed run)."""
+        self.timings = StepTimings()
+        if self.spec_stats is not None:
+            self.spec_stats.reset()
+
+    def stats(self) -> EngineStats:
+        """The counters the server's metrics and the benchmarks read, in one snapshot."""
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
+                           prefix_cache=self.scheduler.prefix_cache_stats,
+                           num_cached_blocks=self.scheduler.num_cached_blocks,
+                           steps_compiled_after_ready=self.runner.steps_compiled_after_ready,
+                           spec_decode=self.spec_stats)
 
     # -- one step --------------------------------------------------------------------------
     def step(self) -> StepStats:
@@ -132,10 +167,13 @@ class Engine:
                 before, now = now, time.perf_counter()
                 t.propose += now - before
             before = now
-            prepared = self.runner.prepare(rows, tables)
+            prepared = self.runner.prepare(self.scheduler.runner_call(rows))
             now = time.perf_counter()
             t.prepare += now - before
-            dispatched += [self.runner.launch(call) for call in prepared]
+            by_id = {row.seq.request_id: row for row in rows}
+            for call in prepared:
+                result = self.runner.launch(call)
+                dispatched.append(InFlight([by_id[i] for i in result.request_ids], result))
             if self.proposer is not None and rows is not scheduled.decode:
                 self.proposer.after_prefill(rows, tables)  # the draft model computes the same chunks
             before, now = now, time.perf_counter()
@@ -153,16 +191,16 @@ class Engine:
             stats.finished += self._read(result)
         return stats
 
-    def _read(self, result: StepResult) -> list[Sequence]:
-        """A dispatched step's outputs: the scheduler's bookkeeping first, then the tokens; frees and
+    def _read(self, dispatched: InFlight) -> list[Sequence]:
+        """A dispatched call's outputs: the scheduler's bookkeeping first, then the tokens; frees and
         returns the sequences it finished."""
         before = time.perf_counter()
-        result.output.block_until_ready()
+        dispatched.result.block_until_ready()
         now = time.perf_counter()
         self.timings.wait += now - before
-        values = result.fetch()
-        self.scheduler.update_from_output(result.rows, values.get("num_accepted"))
-        finished = self.processor.process(result.rows, values)
+        output = dispatched.result.fetch()
+        self.scheduler.update_from_output(dispatched.rows, output.num_accepted)
+        finished = self.processor.process(dispatched.rows, output)
         for seq in finished:
             self.scheduler.finish(seq)
         self.timings.process += time.perf_counter() - now

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import numpy as np
-
 from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
+from dcpjax.runner.messages import ModelRunnerOutput, SampledLogprobs
 from dcpjax.sequence import ScheduledRow, Sequence
-from dcpjax.tokenizer import decode_stream
+from dcpjax.text.tokenizer import decode_stream
 
 
 class OutputProcessor:
@@ -28,47 +27,46 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: Iterable[int]):
         self.tokenizer, self.eos = tokenizer, frozenset(eos_token_ids)
 
-    def process(self, rows: list[ScheduledRow], values: dict[str, np.ndarray]) -> list[Sequence]:
-        """Apply one step's samples (`StepResult.fetch()`'s arrays, one entry per row); returns the
-        sequences this step finished (a row whose sequence had already finished is dropped)."""
-        finished = []
+    def process(self, rows: list[ScheduledRow], output: ModelRunnerOutput) -> list[Sequence]:
+        """Apply one call's samples (`output`, row i for `rows[i]`); returns the sequences this call
+        finished (a row whose sequence had already finished is dropped)."""
+        finished, tokens, accepted = [], output.sampled_token_ids, output.num_accepted
         for i, row in enumerate(rows):
-            if "prompt" in values and row.wants_prompt_logprobs and not row.seq.finished:
-                self._record_prompt_logprobs(row, values["prompt"], i)
+            if output.prompt_logprobs is not None and row.wants_prompt_logprobs and not row.seq.finished:
+                self._record_prompt_logprobs(row, output.prompt_logprobs, i)
             seq = row.seq
             if not row.samples or seq.finished:
                 continue  # nothing sampled, or stopped (or aborted) after this step was scheduled
-            if "num_accepted" in values:  # a verify row: its accepted drafts, then the next sample
-                for j in range(int(values["num_accepted"][i]) + 1):
-                    self.append(seq, int(values["tokens"][i, j]), values, (i, j))
+            if accepted is not None:  # a verify row: its accepted drafts, then the next sample
+                for j in range(int(accepted[i]) + 1):
+                    self.append(seq, int(tokens[i, j]), output.logprobs, (i, j))
                     if seq.finished:
                         break  # nothing past a stop
             else:
-                self.append(seq, int(values["tokens"][i]), values, (i,))
+                self.append(seq, int(tokens[i]), output.logprobs, (i,))
             if seq.finished:
                 finished.append(seq)
         return finished
 
-    def append(self, seq: Sequence, token: int, values: dict[str, np.ndarray] | None = None,
-               at: tuple = (0,)) -> None:
-        """Add one sampled token to `seq`: logprobs (from `values` at index `at`), text, stop checks."""
+    def append(self, seq: Sequence, token: int, logprobs: SampledLogprobs | None = None, at: tuple = (0,)) -> None:
+        """Add one sampled token to `seq`: its logprobs (`logprobs` at index `at`), text, stop checks."""
         seq.token_ids.append(token)
         params = seq.params
-        if params.needs_logprobs and values is not None and "logprobs" in values:
-            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(values["logprobs"][at])
+        if params.needs_logprobs and logprobs is not None:
+            seq.cumulative_logprob = (seq.cumulative_logprob or 0.0) + float(logprobs.logprobs[at])
             if params.logprobs is not None:
-                seq.logprobs.append(self._entry(token, values, at, params.logprobs))
+                seq.logprobs.append(self._entry(token, logprobs, at, params.logprobs))
         self._check_stop(seq, token)
 
-    def _entry(self, token: int, values: dict[str, np.ndarray], at: tuple, top: int) -> dict[int, Logprob]:
-        """{token: its Logprob, then the `top` most likely tokens'} from the step's arrays at index `at`."""
-        entry = {token: Logprob(float(values["logprobs"][at]), int(values["ranks"][at]), self._piece(token))}
-        for rank, (tid, lp) in enumerate(zip(values["top_ids"][at], values["top_logprobs"][at])):
+    def _entry(self, token: int, values: SampledLogprobs, at: tuple, top: int) -> dict[int, Logprob]:
+        """{token: its Logprob, then the `top` most likely tokens'} from `values` at index `at`."""
+        entry = {token: Logprob(float(values.logprobs[at]), int(values.ranks[at]), self._piece(token))}
+        for rank, (tid, lp) in enumerate(zip(values.top_ids[at], values.top_logprobs[at])):
             if rank < top and int(tid) not in entry:
                 entry[int(tid)] = Logprob(float(lp), rank + 1, self._piece(int(tid)))
         return entry
 
-    def _record_prompt_logprobs(self, row, prompt: dict[str, np.ndarray], i: int) -> None:
+    def _record_prompt_logprobs(self, row, prompt: SampledLogprobs, i: int) -> None:
         """The logprobs of the prompt tokens after each position of the chunk (each prompt token's
         once: a chunk recomputed after a preemption adds nothing)."""
         seq = row.seq
@@ -77,7 +75,8 @@ class OutputProcessor:
             if target >= seq.num_prompt_tokens:
                 break
             if target == len(seq.prompt_logprobs):
-                seq.prompt_logprobs.append(self._entry(seq.token_ids[target], prompt, (i, t), seq.params.prompt_logprobs))
+                seq.prompt_logprobs.append(self._entry(seq.token_ids[target], prompt, (i, t),
+                                                       seq.params.prompt_logprobs))
 
     def _piece(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.token_text(token)

@@ -30,7 +30,9 @@ registered in the prefix cache from `min(num_computed, length)`, so a rejected d
 
 The scheduler alone advances a sequence's scheduler state: `schedule` (rows, blocks, slots,
 preemption), `add_drafts`, `update_from_output` (what a step that was read computed), `finish`
-and `reset`. The output processor appends tokens and decides stops; the runner only reads.
+and `reset`. The output processor appends tokens and decides stops. The runner sees none of it:
+`runner_call` hands it each call's rows as a message of ids, counts, token and block ids
+(`runner.messages.ScheduledCall`), with the requests admitted and finished since the last one.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ import dataclasses
 
 import numpy as np
 
-from dcpjax.engine.block_pool import ROOT, BlockPool
+from dcpjax.engine.block_pool import ROOT, BlockPool, PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
-from dcpjax.sequence import ScheduledRow, Sequence
+from dcpjax.runner.messages import ScheduledCall
+from dcpjax.sequence import ScheduledRow, Sequence, scheduled_call
 from dcpjax.sharding import layout
 from dcpjax.spec_decode.stats import SpecDecodeStats
 
@@ -53,10 +56,11 @@ PROMPT_LOGPROBS_TOKENS = 512
 
 
 @dataclasses.dataclass
-class SchedulerOutput:
-    """Prefill chunks and decode tokens run as separate model calls (a decode row padded to a
-    prefill chunk would cost a whole chunk of compute), in this order: prefill, prefill with
-    prompt logprobs (logits at every position, for those rows only), decode."""
+class ScheduledStep:
+    """One step's rows (the engine's side: they point at the sequences). Prefill chunks and decode
+    tokens run as separate model calls (a decode row padded to a prefill chunk would cost a whole
+    chunk of compute), in this order: prefill, prefill with prompt logprobs (logits at every
+    position, for those rows only), decode."""
 
     prefill: list[ScheduledRow]
     decode: list[ScheduledRow]
@@ -79,7 +83,8 @@ class Scheduler:
     sequence's block table, indexed by its slot, so a step's tables are one numpy gather.
     """
 
-    def __init__(self, num_blocks: int, config: SchedulerConfig, *, dcp: int, spec_stats: SpecDecodeStats | None = None):
+    def __init__(self, num_blocks: int, config: SchedulerConfig, *, dcp: int,
+                 spec_stats: SpecDecodeStats | None = None):
         self.config, self.block_size, self.dcp = config, config.block_size, dcp
         self.num_lookahead_tokens = config.num_lookahead_tokens  # room for speculative drafts on decode rows
         self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
@@ -94,20 +99,25 @@ class Scheduler:
         self.num_preemptions = 0
         self.spec_stats = spec_stats  # drafts proposed and accepted, counted as steps are read
         self._prompt_logprobs_budget = 0  # set by each schedule()
+        self._finished_ids: list[str] = []  # finished since the runner's last message
+        self._live: dict[str, Sequence] = {}  # the queued and running sequences, by request id
 
     # -- queues ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue `seq`; its request id must not be one of a queued or running request (the runner
+        keeps each request's state by id)."""
+        if seq.request_id in self._live:
+            raise ValueError(f"request id {seq.request_id!r} is already queued or running: give each request "
+                             "its own id")
+        self._live[seq.request_id] = seq
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def find(self, request_id: str) -> Sequence | None:
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    return seq
-        return None
+        """The queued or running sequence of `request_id`, or None."""
+        return self._live.get(request_id)
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished (or aborted) sequence out of the queues and free its blocks and slot."""
@@ -118,13 +128,38 @@ class Scheduler:
                 pass
         self._cache_full_blocks(seq)
         self._release(seq)
+        if self._live.get(seq.request_id) is seq:
+            del self._live[seq.request_id]
+        self._finished_ids.append(seq.request_id)
 
     def reset(self) -> None:
         """Finish every sequence (after a failed or interrupted step, whose tokens in flight will
-        never be read): every block and slot is free, nothing is pending."""
+        never be read): every block and slot is free, nothing is pending, and the prefix cache is
+        emptied (a step that failed may not have written what it holds)."""
         for seq in [*self.waiting, *self.running]:
             self.finish(seq)
             seq.num_pending = 0
+        self.allocator.reset()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False while requests hold blocks."""
+        return self.allocator.reset()
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.allocator.stats
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.allocator.num_cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
 
     @property
     def kv_usage(self) -> float:
@@ -219,7 +254,7 @@ class Scheduler:
             return min(budget, self._prompt_logprobs_budget)
         return budget
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self) -> ScheduledStep:
         """The rows of the next step (running sequences first, then new ones, vLLM's order);
         updates each scheduled sequence's progress."""
         self._prompt_logprobs_budget = min(self.token_budget, PROMPT_LOGPROBS_TOKENS)
@@ -227,7 +262,13 @@ class Scheduler:
         rows += self._admit_waiting(budget)
         prefill = [r for r in rows if not r.is_decode and not r.wants_prompt_logprobs]
         decode = [r for r in rows if r.is_decode and not r.wants_prompt_logprobs]
-        return SchedulerOutput(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])
+        return ScheduledStep(prefill, decode, preempted, [r for r in rows if r.wants_prompt_logprobs])
+
+    def runner_call(self, rows: list[ScheduledRow]) -> ScheduledCall:
+        """One call's rows as the runner's message (`sequence.scheduled_call`), carrying the ids of the
+        requests finished since the last message (the runner forgets them first)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return scheduled_call(rows, self.block_tables, finished_request_ids=finished)
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRow], int, int]:
         """(rows, budget left, preemptions) for the running sequences, oldest first: a sequence

@@ -49,8 +49,8 @@ def reads_only_visible_pages(options: AttentionOptions, block_size: int) -> bool
 DEFAULT_OPTIONS = AttentionOptions()
 
 
-def attention(q: jax.Array, kv: KVCache, bounds: jax.Array,
-              options: AttentionOptions = DEFAULT_OPTIONS, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def attention(q: jax.Array, kv: KVCache, bounds: jax.Array, options: AttentionOptions = DEFAULT_OPTIONS,
+              starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of T queries per sequence over a paged KV cache, each with its own causal bound.
 
     Args:

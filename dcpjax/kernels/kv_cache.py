@@ -5,8 +5,9 @@ tables that address them.
 pools), the per-device DCP steps inside `shard_map` and the public op (`dcpjax.shard_kv_cache`,
 whose arrays are global and sharded by `dcpjax.sharding.mesh.ShardingRules.kv_cache_spec`).
 `KVPools` is the engine's stored cache, one per layer: the pools alone, since a step's tables
-travel in its `StepBatch`; the layers join the two with `KVPools.with_block_tables`. Contiguous KV is a paged cache with an identity
-block table (`KVCache.from_sequences`), so no kernel has a contiguous branch.
+travel in its `StepBatch`; the layers join the two with `KVPools.with_block_tables`. Contiguous
+KV is a paged cache with an identity block table (`KVCache.from_sequences`), so no kernel has a
+contiguous branch.
 
 One writer for both, `write`,, stores new tokens at flat slots and quantises them
 when the cache is fp8. Which slots (the DCP rank's interleaved ownership) is

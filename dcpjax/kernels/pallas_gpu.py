@@ -59,9 +59,10 @@ def _gpu_kernel(
     sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
 ):
     """One program's block of rows (r = block_rows): q_ref [r, dk]; bounds_ref [r] causal bound
-    per row and starts_ref [r] its first visible token; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs, dv] (unused if v_from_k); if scaled (fp8
-    cache): ks_ref, vs_ref [Hkv, N, bs] per-token dequantisation scales; tables_ref [B, P];
-    out_ref [r, dv] f32 and lse_ref [r] f32, this split's unmerged partial."""
+    per row and starts_ref [r] its first visible token; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs,
+    dv] (unused if v_from_k); if scaled (fp8 cache): ks_ref, vs_ref [Hkv, N, bs] per-token
+    dequantisation scales; tables_ref [B, P]; out_ref [r, dv] f32 and lse_ref [r] f32, this
+    split's unmerged partial."""
     (ks_ref, vs_ref, out_ref, lse_ref) = refs if scaled else (None, None, *refs)
     seq, split = pl.program_id(0), pl.program_id(2)
     head = pl.program_id(1) // row_blocks  # axis 1 walks (KV head, block of query rows)
@@ -168,7 +169,8 @@ def paged_attention_gpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_
             whole(values.shape),
         ] + [whole(x.shape) for x in scales],
         out_specs=[
-            pl.BlockSpec((None, None, None, block_rows, dv), lambda b, g, s: (b, g // row_blocks, s, g % row_blocks, 0)),
+            pl.BlockSpec((None, None, None, block_rows, dv),
+                         lambda b, g, s: (b, g // row_blocks, s, g % row_blocks, 0)),
             pl.BlockSpec((None, None, None, block_rows), lambda b, g, s: (b, g // row_blocks, s, g % row_blocks)),
         ],
         out_shape=[

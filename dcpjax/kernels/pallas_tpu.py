@@ -54,8 +54,9 @@ def tpu_block_rows(rows: int, dk: int, dv: int, max_elements: int = 131072) -> i
 def _tpu_kernel(tables_ref, tile_bound_ref, tile_start_ref, q_ref, bounds_ref, starts_ref, k_ref, *refs, sm_scale,
                 block_size, dv, v_from_k, scaled):
     """One grid step's block of rows (r = block_rows) and page: q_ref [r, dk]; bounds_ref [r, 1]
-    causal bound per row, starts_ref [r, 1] its first visible token; k_ref [bs, dk]; then v_ref [bs, dv] unless v_from_k (MLA: V is K's
-    first dv lanes, so K is fetched once); then, for an fp8 cache, ks_ref and vs_ref [bs, 1];
+    causal bound per row, starts_ref [r, 1] its first visible token; k_ref [bs, dk]; then v_ref
+    [bs, dv] unless v_from_k (MLA: V is K's first dv lanes, so K is fetched once); then, for an
+    fp8 cache, ks_ref and vs_ref [bs, 1];
     out_ref [r, dv]; lse_ref [r, LANES]; scratch max_scr, sum_scr [r, LANES] (all lanes equal)
     and acc_scr [r, dv]. Scalar-prefetched (SMEM): tables_ref [B, P], tile_bound_ref and
     tile_start_ref [B, row_blocks] (the block's highest bound and lowest start)."""

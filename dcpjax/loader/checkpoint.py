@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import RULES, kv_head_slots, logical_spec
 
 

@@ -7,11 +7,14 @@ same `rules.model_rules` load them as they load safetensors, each device reading
 only its slice: a slice of whole rows is cut from the file before dequantizing (a
 quantization block never spans two rows); a slice of columns needs the whole row.
 
+Which GGUF architectures are read, as which transformers architecture, is each family's
+declaration (`ModelFamily.gguf`, gathered in `registry.GGUF_ARCHITECTURES`).
+
 Two things llama.cpp's converter changed are undone here:
 - names: `blk.N.attn_q.weight` is `model.layers.N.self_attn.q_proj.weight`, and so on;
-- for the `llama` architecture, the rows of Q and K are permuted per head (its RoPE
-  rotates adjacent pairs; Hugging Face's rotates the two halves): row `2i + j` of a head
-  in the file is row `j * d/2 + i` of the Hugging Face tensor.
+- where the family says so (`GGUFArchitecture.permuted_qk`: `llama`), the rows of Q and K are
+  permuted per head (its RoPE rotates adjacent pairs; Hugging Face's rotates the two halves):
+  row `2i + j` of a head in the file is row `j * d/2 + i` of the Hugging Face tensor.
 """
 
 from __future__ import annotations
@@ -24,13 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from dcpjax.loader.weights import TensorSource
+from dcpjax.loader.tensor_source import TensorSource
+from dcpjax.models.registry import FAMILIES, GGUF_ARCHITECTURES
 
 GGUF_INSTALL = "pip install gguf"
-# GGUF architecture -> the transformers architecture dcpjax builds for it
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-PERMUTED_QK = ("llama",)  # llama.cpp's converter permutes Q/K rows only for these
-DEFAULT_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -119,10 +119,13 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def _architecture(file: GGUFFile) -> str:
+    """The file's `general.architecture`, one a family reads (ValueError naming those otherwise)."""
     arch = file.meta.get("general.architecture")
-    if arch not in ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
+        families = [family.name for family in FAMILIES if family.gguf]
         raise ValueError(f"{file.path}: GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)} (the Llama family)")
+                         f"{', '.join(GGUF_ARCHITECTURES)} (the {', '.join(families)} "
+                         f"famil{'y' if len(families) == 1 else 'ies'})")
     if file.meta.get(f"{arch}.expert_count"):
         raise ValueError(f"{file.path}: a mixture-of-experts GGUF ({arch} with {file.meta[f'{arch}.expert_count']} "
                          "experts) is not supported; load the model's Hugging Face folder instead")
@@ -157,7 +160,7 @@ def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
         raise ValueError(f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 scaling) are not read "
                          "from GGUF yet; load the model's Hugging Face folder instead")
     config = {
-        "architectures": [ARCHITECTURES[arch]],
+        "architectures": [GGUF_ARCHITECTURES[arch].architecture],
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # GGUF shapes are innermost first: [hidden, vocab]
         "hidden_size": hidden,
         "intermediate_size": _count(file, f"{arch}.feed_forward_length"),
@@ -167,7 +170,7 @@ def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
         "head_dim": head_dim,
         "rms_norm_eps": _float32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(get("context_length", 4096)),
-        "rope_theta": _float32(get("rope.freq_base", DEFAULT_ROPE_THETA[arch])),
+        "rope_theta": _float32(get("rope.freq_base", GGUF_ARCHITECTURES[arch].rope_theta)),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -176,7 +179,8 @@ def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise ValueError(f"{path}: RoPE scaling {scaling!r} in GGUF is not supported (only linear)")
-        config["rope_scaling"] = {"rope_type": "linear", "factor": _float32(file.required(f"{arch}.rope.scaling.factor"))}
+        factor = _float32(file.required(f"{arch}.rope.scaling.factor"))
+        config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     return config
 
 
@@ -198,7 +202,7 @@ class GGUFSource(TensorSource):
         heads = _count(file, f"{arch}.attention.head_count")
         kv_heads = _count(file, f"{arch}.attention.head_count_kv", heads)
         self.row_order: dict[str, np.ndarray] = {}  # HF row -> file row, for the permuted Q/K tensors
-        if arch in PERMUTED_QK:
+        if GGUF_ARCHITECTURES[arch].permuted_qk:
             for name, tensor in self.tensors.items():
                 for proj, n in (("q_proj", heads), ("k_proj", kv_heads)):
                     if f".self_attn.{proj}." in name:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dcpjax.tokenizer import HFTokenizer
+from dcpjax.text.tokenizer import HFTokenizer
 
 CONTROL, USER_DEFINED = 3, 4
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"

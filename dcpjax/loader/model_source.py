@@ -17,10 +17,11 @@ import json
 import pathlib
 from collections.abc import Callable
 
-from dcpjax.config import ParallelConfig
-from dcpjax.loader.weights import SafetensorsSource, TensorSource, random_checkpoint
+from dcpjax.loader.tensor_source import SafetensorsSource, TensorSource
+from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import TINY_MODELS, ModelConfig
-from dcpjax.tokenizer import ByteTokenizer, load_tokenizer
+from dcpjax.sharding.config import ParallelConfig
+from dcpjax.text.tokenizer import ByteTokenizer, load_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,19 +1,16 @@
 """Hugging Face weights -> sharded parameters, each device reading only its slice.
 
-Every dcpjax parameter has a rule (`dcpjax.loader.rules`) that maps the part a device holds (an
-index of slices into the dcpjax layout) to the slice of the Hugging Face tensor it comes
-from, so `jax.make_array_from_callback` reads exactly those bytes from a
-`TensorSource`: safetensors files, a GGUF file (`dcpjax.loader.gguf_loader.GGUFSource`, the same
-Hugging Face names and shapes) or an in-memory state dict for random tiny models.
+Every dcpjax parameter has a rule (`dcpjax.models.weight_rules`, chosen by the config's family:
+`dcpjax.loader.rules`) that maps the part a device holds (an index of slices into the dcpjax
+layout) to the slice of the Hugging Face tensor it comes from, so `jax.make_array_from_callback`
+reads exactly those bytes from a `TensorSource` (`dcpjax.loader.tensor_source`): safetensors
+files, a GGUF file (`dcpjax.loader.gguf_loader.GGUFSource`, the same Hugging Face names and
+shapes) or an in-memory state dict for random tiny models.
 Parameters padded for the mesh (`models.layers.PADDABLE_AXES`) read their true part
 and zeros after it (`read_padded`).
 """
 
 from __future__ import annotations
-
-import json
-import pathlib
-from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -21,73 +18,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
-from dcpjax.config import ParallelConfig
-from dcpjax.loader.rules import IGNORED_CHECKPOINT_TENSORS, Rule, _bounds, model_rules
+from dcpjax.loader.rules import IGNORED_CHECKPOINT_TENSORS, model_rules
+from dcpjax.loader.tensor_source import DictSource, TensorSource
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.weight_rules import Rule, bounds
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import logical_spec
 
 
-# -- where tensors come from -------------------------------------------------------------
-class TensorSource:
-    """Read a named tensor, or a slice of it, as numpy."""
-
-    def names(self) -> set[str]:
-        raise NotImplementedError
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        raise NotImplementedError
-
-    def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
-        raise NotImplementedError
-
-
-class DictSource(TensorSource):
-    def __init__(self, tensors: Mapping[str, np.ndarray]):
-        self.tensors = dict(tensors)
-
-    def names(self):
-        return set(self.tensors)
-
-    def shape(self, name):
-        return tuple(self.tensors[name].shape)
-
-    def read(self, name, index):
-        return np.asarray(self.tensors[name][index])
-
-
-class SafetensorsSource(TensorSource):
-    """`*.safetensors` files of a folder, with or without `model.safetensors.index.json`."""
-
-    def __init__(self, folder: str | pathlib.Path):
-        from safetensors import safe_open
-
-        folder = pathlib.Path(folder)
-        index = folder / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted(set(weight_map.values()))
-        else:
-            files = sorted(p.name for p in folder.glob("*.safetensors"))
-            weight_map = None
-        if not files:
-            raise ValueError(f"{folder} has no *.safetensors files")
-        self.handles = {f: safe_open(str(folder / f), framework="flax") for f in files}
-        if weight_map is None:
-            # safe_open handles have keys() but are not iterable
-            weight_map = {name: f for f, h in self.handles.items() for name in h.keys()}  # noqa: SIM118
-        self.weight_map = weight_map
-
-    def names(self):
-        return set(self.weight_map)
-
-    def shape(self, name):
-        return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
-
-    def read(self, name, index):
-        return np.asarray(self.handles[self.weight_map[name]].get_slice(name)[index])
-
-
-# -- loading -------------------------------------------------------------------------------
 def check_checkpoint(rules: dict[str, Rule], source: TensorSource, ignored=lambda name: False) -> None:
     """Every expected tensor present with its shape, nothing unexplained left over."""
     expected = {name: shape for r in rules.values() for name, shape in r.tensors.items()}
@@ -115,11 +53,11 @@ def read_padded(rule: Rule, source: TensorSource, index: tuple[slice, ...], shap
                 unpadded: tuple[int, ...]) -> np.ndarray:
     """A device's block of a parameter whose axes are padded past the checkpoint's `unpadded`
     sizes (see `models.layers.PADDABLE_AXES`): the true part read by `rule`, zeros after it."""
-    bounds = _bounds(index, shape)
+    spans = bounds(index, shape)
     if tuple(shape) == tuple(unpadded):
         return rule.read(source, index, shape)
-    true_part = tuple(slice(min(a, n), min(b, n)) for (a, b), n in zip(bounds, unpadded))
-    block = np.zeros([b - a for a, b in bounds], np.float32)
+    true_part = tuple(slice(min(a, n), min(b, n)) for (a, b), n in zip(spans, unpadded))
+    block = np.zeros([b - a for a, b in spans], np.float32)
     if all(s.stop > s.start for s in true_part):
         values = rule.read(source, true_part, tuple(unpadded))
         block = block.astype(values.dtype)

@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVPools
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.layers import LMHead, RMSNorm, VocabEmbedding, gather_vocab
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import owned_slots
 
 

@@ -2,7 +2,10 @@
 
 Current transformers writes `rope_parameters` (with `rope_theta` inside) and
 `num_local_experts`; published checkpoints carry `rope_theta` + `rope_scaling`
-and `num_experts`. Both are read into one `ModelConfig`.
+and `num_experts`. Both are read into one `ModelConfig`: the fields every family shares here,
+a family's own (`ModelFamily.config_fields`: MLA, linear attention, q/k norms, ...) by its
+module. This module knows no architecture: the registry registers each family's
+(`register_architectures`) when `dcpjax.models` is imported, before any config is read.
 """
 
 from __future__ import annotations
@@ -10,12 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-LLAMA_FAMILY = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
-DEEPSEEK_FAMILY = ("DeepseekV3ForCausalLM",)
-HYBRID_FAMILY = ("Qwen3NextForCausalLM",)  # linear-attention layers with a state, a few full-attention ones
-SUPPORTED_ARCHITECTURES = LLAMA_FAMILY + DEEPSEEK_FAMILY + HYBRID_FAMILY
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -155,62 +155,14 @@ class ModelConfig:
         """From a parsed `config.json`; ValueError names an unsupported architecture or field."""
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else None
-        if architecture not in SUPPORTED_ARCHITECTURES:
+        if architecture not in _FAMILY_FIELDS:
             raise ValueError(
-                f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture {architecture!r} is not supported; supported: {', '.join(_FAMILY_FIELDS)}"
             )
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
-        heads = config["num_attention_heads"]
-        eos = config.get("eos_token_id")
-        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
-        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
-        layers = config["num_hidden_layers"]
-        experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
-        step, dense_only = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
-        first_sparse = config.get("first_k_dense_replace", 0)
-        sparse = tuple(i for i in range(layers)
-                       if experts and i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
-        mla, hybrid = {}, {}
-        if architecture in HYBRID_FAMILY:
-            hybrid = _hybrid_fields(config, layers)
-        if architecture in DEEPSEEK_FAMILY:
-            mla = dict(
-                q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
-                qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
-                v_head_dim=config["v_head_dim"], rope_interleave=bool(config.get("rope_interleave", True)),
-                n_shared_experts=config.get("n_shared_experts") or 0,
-                routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-                n_group=config.get("n_group") or 1, topk_group=config.get("topk_group") or 1,
-                head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"],
-            )
-            if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
-                raise ValueError("only DeepSeek-V3's routing (scoring_func sigmoid, topk_method noaux_tc) is supported")
-        return cls(
-            architecture=architecture,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=1 if mla else config.get("num_key_value_heads") or heads,
-            head_dim=mla.pop("head_dim", None) or config.get("head_dim") or config["hidden_size"] // heads,
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=config.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
-            rope=RopeConfig.from_hf(config),
-            sliding_window=window,
-            num_experts=experts,
-            num_experts_per_tok=config.get("num_experts_per_tok", 0) if experts else 0,
-            moe_intermediate_size=config.get("moe_intermediate_size", 0) if experts else 0,
-            norm_topk_prob=bool(config.get("norm_topk_prob", False)),
-            sparse_layers=sparse,
-            **mla,
-            **hybrid,
-            eos_token_id=eos,
-        )
+        own = _FAMILY_FIELDS[architecture](architecture, config)  # the family's checks come first
+        return cls(architecture=architecture, **(_shared_fields(config) | own))
 
     @classmethod
     def from_pretrained(cls, folder: str | pathlib.Path) -> ModelConfig:
@@ -228,56 +180,55 @@ class ModelConfig:
             )
 
 
-def _hybrid_fields(config: dict[str, Any], layers: int) -> dict[str, Any]:
-    """Qwen3-Next's fields (transformers' defaults where a config leaves one out)."""
-    types = config.get("layer_types")
-    if types is None:  # every full_attention_interval-th layer is full attention
-        interval = config.get("full_attention_interval", 4)
-        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
-    unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
-    if len(types) != layers or unknown:
-        raise ValueError(f"layer_types must name each of the {layers} layers {FULL_ATTENTION!r} or "
-                         f"{LINEAR_ATTENTION!r}; got {len(types)} entries{', unknown ' + str(unknown) if unknown else ''}")
-    if FULL_ATTENTION not in types:  # the KV cache (and DCP) lives in the full-attention layers
-        raise ValueError(f"layer_types has no {FULL_ATTENTION!r} layer: dcpjax needs at least one (it holds the KV "
-                         "cache that DCP splits); a model of linear-attention layers only is not supported")
-    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+def _shared_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The fields every family reads the same way (a family's `config_fields` may override any)."""
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    eos = config.get("eos_token_id")
+    eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
+    window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+    experts = config.get("num_local_experts") or config.get("num_experts") or config.get("n_routed_experts") or 0
+    step, dense_only = config.get("decoder_sparse_step", 1) or 1, set(config.get("mlp_only_layers") or [])
+    first_sparse = config.get("first_k_dense_replace", 0)
+    sparse = tuple(i for i in range(layers)
+                   if experts and i not in dense_only and (i + 1) % step == 0 and i >= first_sparse)
     return dict(
-        layer_types=tuple(types), linear_num_key_heads=config.get("linear_num_key_heads", 16),
-        linear_num_value_heads=config.get("linear_num_value_heads", 32),
-        linear_key_head_dim=config.get("linear_key_head_dim", 128),
-        linear_value_head_dim=config.get("linear_value_head_dim", 128),
-        linear_conv_kernel_dim=config.get("linear_conv_kernel_dim", 4), attention_output_gate=True,
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))),
-        norm_offset=1.0, shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
+        vocab_size=config["vocab_size"],
+        hidden_size=config["hidden_size"],
+        intermediate_size=config["intermediate_size"],
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        attention_bias=bool(config.get("attention_bias", False)),
+        rope=RopeConfig.from_hf(config),
+        sliding_window=window,
+        num_experts=experts,
+        num_experts_per_tok=config.get("num_experts_per_tok", 0) if experts else 0,
+        moe_intermediate_size=config.get("moe_intermediate_size", 0) if experts else 0,
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        eos_token_id=eos,
     )
 
 
-# Built-in tiny configurations with random weights: the embedded default runs anywhere.
-# Byte-level tokenizer: ids 0..255 are bytes, then BOS and EOS; vocab padded to 264.
+# A family's reading of its own fields: (architecture, config.json) -> ModelConfig fields
+ConfigFields = Callable[[str, dict[str, Any]], dict[str, Any]]
+_FAMILY_FIELDS: dict[str, ConfigFields] = {}  # every supported architecture, in the registry's order
+
+# Byte-level tokenizer of the built-in tiny models: ids 0..255 are bytes, then BOS and EOS; vocab padded to 264.
 BYTE_VOCAB, BYTE_BOS, BYTE_EOS = 264, 256, 257
-TINY_MODELS: dict[str, ModelConfig] = {
-    "tiny-llama": ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
-        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
-        rope=RopeConfig(theta=10000.0),
-    ),
-    "tiny-qwen3": ModelConfig(
-        architecture="Qwen3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=16, qk_norm=True,
-        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
-        rope=RopeConfig(theta=1000000.0), tie_word_embeddings=True,
-    ),
-    # MLA + grouped routing with a shared expert: DCP up to TP (the latent counts as one KV head)
-    "tiny-deepseek": ModelConfig(
-        architecture="DeepseekV3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
-        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=24,
-        max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
-        rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
-                        mscale=1.0, mscale_all_dim=1.0),
-        q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_interleave=True,
-        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, sparse_layers=(1,),
-        n_shared_experts=1, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-    ),
-}
+# Built-in tiny configurations with random weights (the embedded default runs anywhere), each
+# declared by its family (`ModelFamily.tiny_models`) and gathered here by `register_architectures`.
+TINY_MODELS: dict[str, ModelConfig] = {}
+
+
+def register_architectures(architectures: Iterable[str], config_fields: ConfigFields,
+                           tiny_models: Mapping[str, ModelConfig] | None = None) -> None:
+    """Make `from_hf` read a family's architectures and list its tiny models (the registry calls
+    this once per family: this module knows none itself, so the families can import it)."""
+    for architecture in architectures:
+        _FAMILY_FIELDS[architecture] = config_fields
+    TINY_MODELS.update(tiny_models or {})

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
-from dcpjax.models.config import ModelConfig
+from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, mla_attention_rules, mlp_rules
+from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
+from dcpjax.models.family import ModelFamily
 from dcpjax.models.layers import GatedMLP, RMSNorm, out_projection, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
+from dcpjax.models.weight_rules import Rule, same
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import reduce_model
 
@@ -78,7 +82,8 @@ class MLAttention(nnx.Module):
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope :], positions)
         compressed = x @ self.kv_a[...]  # [B, T, lora + rope]
         latent = jnp.concatenate(
-            [self.kv_a_norm(compressed[..., : self.lora]), self._rope(compressed[..., None, self.lora :], positions)[:, :, 0]],
+            [self.kv_a_norm(compressed[..., : self.lora]),
+             self._rope(compressed[..., None, self.lora :], positions)[:, :, 0]],
             axis=-1,
         )  # [B, T, lora + rope]
 
@@ -143,3 +148,59 @@ class DeepseekV3ForCausalLM(CausalLM):
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
 
         super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(cfg, dtype, MLAttention(cfg, pc, dtype), mlp(i)))
+
+
+# -- the family: what config.json and the checkpoint say ----------------------------------
+def deepseek_config_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """MLA's ranks and head dims (the latent counts as one KV head) and the grouped routing; only
+    DeepSeek-V3's routing (sigmoid scores, noaux_tc) is implemented."""
+    if config.get("scoring_func", "sigmoid") != "sigmoid" or config.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ValueError("only DeepSeek-V3's routing (scoring_func sigmoid, topk_method noaux_tc) is supported")
+    return dict(
+        q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=config["kv_lora_rank"],
+        qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
+        v_head_dim=config["v_head_dim"], rope_interleave=bool(config.get("rope_interleave", True)),
+        n_shared_experts=config.get("n_shared_experts") or 0,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        n_group=config.get("n_group") or 1, topk_group=config.get("topk_group") or 1,
+        head_dim=config["qk_nope_head_dim"] + config["qk_rope_head_dim"], num_key_value_heads=1,
+    )
+
+
+def deepseek_checkpoint_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
+    """MLA in `self_attn`; routed layers add the routing bias and the shared experts."""
+
+    def layer(i: int, ours: str, hf: str) -> dict[str, Rule]:
+        rules = mla_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg)
+        rules |= dense_or_routed_rules(f"{ours}.mlp", f"{hf}.mlp", cfg, i)
+        if i in cfg.sparse_layers:
+            rules[f"{ours}.mlp.correction_bias"] = same(f"{hf}.mlp.gate.e_score_correction_bias", (cfg.num_experts,))
+            if cfg.n_shared_experts:
+                rules |= mlp_rules(f"{ours}.mlp.shared", f"{hf}.mlp.shared_experts", cfg.hidden_size,
+                                   cfg.moe_intermediate_size * cfg.n_shared_experts)
+        return rules
+
+    return decoder_rules(cfg, layer)
+
+
+FAMILY = ModelFamily(
+    name="DeepSeek-V3",
+    architectures=("DeepseekV3ForCausalLM",),
+    model_class=DeepseekV3ForCausalLM,
+    checkpoint_rules=deepseek_checkpoint_rules,
+    config_fields=deepseek_config_fields,
+    tiny_models={
+        # MLA + grouped routing with a shared expert: DCP up to TP (the latent counts as one KV head)
+        "tiny-deepseek": ModelConfig(
+            architecture="DeepseekV3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=24,
+            max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
+            rope=RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=512,
+                            mscale=1.0, mscale_all_dim=1.0),
+            q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            rope_interleave=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, sparse_layers=(1,), n_shared_experts=1, routed_scaling_factor=2.5, n_group=4,
+            topk_group=2,
+        ),
+    },
+)

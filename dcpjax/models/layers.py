@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 
 # Axes where zeros past the true size change nothing, so a size the mesh cannot split evenly

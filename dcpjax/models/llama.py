@@ -12,17 +12,21 @@ own causal bound and the exact LSE merge.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import KVPools
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
-from dcpjax.models.config import ModelConfig
+from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, gqa_attention_rules
+from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
+from dcpjax.models.family import GGUFArchitecture, ModelFamily
 from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, out_projection, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
+from dcpjax.models.weight_rules import Rule
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention
 from dcpjax.sharding.mesh import kv_head_slots, reduce_model
 
@@ -33,7 +37,8 @@ class LlamaAttention(nnx.Module):
     (`rotary_dim`) and (1 + w) q/k norms."""
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
-        heads, slots, d, hidden = cfg.num_attention_heads, kv_head_slots(cfg.num_key_value_heads, pc), cfg.head_dim, cfg.hidden_size
+        heads, d, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
+        slots = kv_head_slots(cfg.num_key_value_heads, pc)
         self.output_gate = cfg.attention_output_gate
         q_width = 2 * d if self.output_gate else d
         self.q_proj = param((hidden, heads, q_width), ("embed", "q_heads", "head_dim"), dtype)
@@ -102,3 +107,54 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(
             cfg, dtype, LlamaAttention(cfg, pc, dtype), llama_mlp(cfg, pc, dtype, i)))
+
+
+# -- the family: what config.json, the checkpoint and GGUF files say ----------------------
+BIASED_QKV = ("Qwen2ForCausalLM",)  # q/k/v bias whatever config.json says
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # per-head q/k RMSNorm
+
+
+def llama_config_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """What the architecture implies beyond the shared fields: Qwen2's bias, Qwen3's q/k norms."""
+    fields: dict[str, Any] = {}
+    if architecture in BIASED_QKV:
+        fields["attention_bias"] = True
+    if architecture in QK_NORM:
+        fields["qk_norm"] = True
+    return fields
+
+
+def llama_checkpoint_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
+    """GQA in `self_attn`, a dense MLP or routed experts (Qwen3-MoE) in `mlp`."""
+    return decoder_rules(cfg, lambda i, ours, hf: (
+        gqa_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg, pc)
+        | dense_or_routed_rules(f"{ours}.mlp", f"{hf}.mlp", cfg, i)))
+
+
+FAMILY = ModelFamily(
+    name="Llama",
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                   "Qwen3MoeForCausalLM"),
+    model_class=LlamaForCausalLM,
+    checkpoint_rules=llama_checkpoint_rules,
+    config_fields=llama_config_fields,
+    gguf={  # llama.cpp's converter permutes Q/K rows for `llama` only
+        "llama": GGUFArchitecture("LlamaForCausalLM", rope_theta=10000.0, permuted_qk=True),
+        "qwen2": GGUFArchitecture("Qwen2ForCausalLM", rope_theta=1000000.0),
+        "qwen3": GGUFArchitecture("Qwen3ForCausalLM", rope_theta=1000000.0),
+    },
+    tiny_models={
+        "tiny-llama": ModelConfig(
+            architecture="LlamaForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
+            rope=RopeConfig(theta=10000.0),
+        ),
+        "tiny-qwen3": ModelConfig(
+            architecture="Qwen3ForCausalLM", vocab_size=BYTE_VOCAB, hidden_size=64, intermediate_size=128,
+            num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=16, qk_norm=True,
+            max_position_embeddings=32768, eos_token_id=(BYTE_EOS,),
+            rope=RopeConfig(theta=1000000.0), tie_word_embeddings=True,
+        ),
+    },
+)

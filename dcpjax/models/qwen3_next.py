@@ -11,17 +11,28 @@ dense (`mlp_only_layers`). Norms store their weight centred on 0 and scale by (1
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import LinearState
 from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
-from dcpjax.models.config import ModelConfig
+from dcpjax.models.component_rules import (
+    decoder_rules,
+    dense_or_routed_rules,
+    gqa_attention_rules,
+    linear_attention_rules,
+    mlp_rules,
+)
+from dcpjax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+from dcpjax.models.family import ModelFamily
 from dcpjax.models.gated_delta import CHUNK, causal_conv, gated_delta_rule
 from dcpjax.models.layers import param
 from dcpjax.models.llama import LlamaAttention, llama_mlp
+from dcpjax.models.weight_rules import Rule, transposed
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import reduce_model
 
 
@@ -99,3 +110,66 @@ class Qwen3NextForCausalLM(CausalLM):
             return DecoderLayer(cfg, dtype, mixer, llama_mlp(cfg, pc, dtype, i))
 
         super().__init__(cfg, pc, dtype, make_layer)
+
+
+# -- the family: what config.json and the checkpoint say ----------------------------------
+def _layer_types(config: dict[str, Any], layers: int) -> tuple[str, ...]:
+    """Each layer's mixer; ValueError unless every layer is named and one at least is full attention."""
+    types = config.get("layer_types")
+    if types is None:  # every full_attention_interval-th layer is full attention
+        interval = config.get("full_attention_interval", 4)
+        types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(layers)]
+    unknown = sorted(set(types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+    if len(types) != layers or unknown:
+        raise ValueError(f"layer_types must name each of the {layers} layers {FULL_ATTENTION!r} or "
+                         f"{LINEAR_ATTENTION!r}; got {len(types)} entries"
+                         f"{', unknown ' + str(unknown) if unknown else ''}")
+    if FULL_ATTENTION not in types:  # the KV cache (and DCP) lives in the full-attention layers
+        raise ValueError(f"layer_types has no {FULL_ATTENTION!r} layer: dcpjax needs at least one (it holds the KV "
+                         "cache that DCP splits); a model of linear-attention layers only is not supported")
+    return tuple(types)
+
+
+def qwen3_next_config_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The hybrid's fields (transformers' defaults where a config leaves one out): the layer types,
+    the linear heads, the full layers' output gate and partial RoPE, (1 + w) norms, q/k norms."""
+    rope = config.get("rope_parameters") if isinstance(config.get("rope_parameters"), dict) else {}
+    return dict(
+        layer_types=_layer_types(config, config["num_hidden_layers"]),
+        linear_num_key_heads=config.get("linear_num_key_heads", 16),
+        linear_num_value_heads=config.get("linear_num_value_heads", 32),
+        linear_key_head_dim=config.get("linear_key_head_dim", 128),
+        linear_value_head_dim=config.get("linear_value_head_dim", 128),
+        linear_conv_kernel_dim=config.get("linear_conv_kernel_dim", 4), attention_output_gate=True,
+        partial_rotary_factor=float(rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))),
+        norm_offset=1.0, shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
+        qk_norm=True,
+    )
+
+
+def qwen3_next_checkpoint_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Rule]:
+    """Gated DeltaNet in `linear_attn` or gated GQA in `self_attn`; routed layers add the shared
+    expert behind its sigmoid gate."""
+
+    def layer(i: int, ours: str, hf: str) -> dict[str, Rule]:
+        if cfg.is_linear(i):
+            rules = linear_attention_rules(f"{ours}.attention", f"{hf}.linear_attn", cfg)
+        else:
+            rules = gqa_attention_rules(f"{ours}.attention", f"{hf}.self_attn", cfg, pc)
+        rules |= dense_or_routed_rules(f"{ours}.mlp", f"{hf}.mlp", cfg, i)
+        if i in cfg.sparse_layers and cfg.shared_expert_intermediate_size:
+            rules |= mlp_rules(f"{ours}.mlp.shared", f"{hf}.mlp.shared_expert", cfg.hidden_size,
+                               cfg.shared_expert_intermediate_size)
+            rules[f"{ours}.mlp.shared_gate"] = transposed(f"{hf}.mlp.shared_expert_gate.weight", (1, cfg.hidden_size))
+        return rules
+
+    return decoder_rules(cfg, layer)
+
+
+FAMILY = ModelFamily(
+    name="Qwen3-Next",
+    architectures=("Qwen3NextForCausalLM",),
+    model_class=Qwen3NextForCausalLM,
+    checkpoint_rules=qwen3_next_checkpoint_rules,
+    config_fields=qwen3_next_config_fields,
+)

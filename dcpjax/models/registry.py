@@ -1,5 +1,11 @@
-"""The model registry: which class implements an architecture, its abstract parameters on a mesh,
-and the one check that a layout can hold it (for `LLM` and the planner alike)."""
+"""The model registry: the families dcpjax runs (one line each), which class implements an
+architecture, its abstract parameters on a mesh, and the one check that a layout can hold it (for
+`LLM` and the planner alike).
+
+Each family module declares its `ModelFamily` (`dcpjax.models.family`); importing this module
+registers them with the config reader, and `dcpjax.models` imports it first, so
+`ModelConfig.from_hf` and `TINY_MODELS` know every family whichever model module is imported.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,57 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
-from dcpjax.models.config import LLAMA_FAMILY, ModelConfig
-from dcpjax.models.deepseek import DeepseekV3ForCausalLM
+from dcpjax.models import deepseek, llama, qwen3_next
+from dcpjax.models.config import ModelConfig, register_architectures
+from dcpjax.models.family import GGUFArchitecture, ModelFamily
 from dcpjax.models.layers import unsplittable_dims
-from dcpjax.models.llama import LlamaForCausalLM
-from dcpjax.models.qwen3_next import Qwen3NextForCausalLM
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import logical_spec
 
-MODEL_CLASSES = {arch: LlamaForCausalLM for arch in LLAMA_FAMILY} | {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-                                                                     "Qwen3NextForCausalLM": Qwen3NextForCausalLM}
+FAMILIES: tuple[ModelFamily, ...] = (
+    llama.FAMILY,
+    deepseek.FAMILY,
+    qwen3_next.FAMILY,
+)
+
+
+def _by_architecture(families: tuple[ModelFamily, ...]) -> dict[str, ModelFamily]:
+    """Architecture -> its family; each architecture in one family only."""
+    table: dict[str, ModelFamily] = {}
+    for family in families:
+        for architecture in family.architectures:
+            if architecture in table:
+                raise ValueError(f"{architecture} is claimed by both {table[architecture].name} and {family.name}")
+            table[architecture] = family
+    return table
+
+
+_FAMILY_OF = _by_architecture(FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(_FAMILY_OF)
+MODEL_CLASSES = {architecture: family.model_class for architecture, family in _FAMILY_OF.items()}
+GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {name: arch for family in FAMILIES
+                                                   for name, arch in family.gguf.items()}
+
+
+def _register(families: tuple[ModelFamily, ...]) -> None:
+    """Tell the config reader each family's architectures, own fields and tiny models."""
+    for family in families:
+        register_architectures(family.architectures, family.config_fields, family.tiny_models)
+
+
+_register(FAMILIES)
+
+
+def family_of(architecture: str) -> ModelFamily:
+    """The family that builds `architecture`; ValueError naming the supported ones."""
+    if architecture not in _FAMILY_OF:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    return _FAMILY_OF[architecture]
 
 
 def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
-    model_class = MODEL_CLASSES[cfg.architecture]
+    model_class = family_of(cfg.architecture).model_class
     return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
 
 

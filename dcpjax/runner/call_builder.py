@@ -19,10 +19,11 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from dcpjax.runner import step_input
+from dcpjax.runner.messages import ScheduledChunk
+from dcpjax.runner.request_states import RequestStates
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.runner.step_input import CallShape
 from dcpjax.sampling import GREEDY, SamplerConfig, sampler_config
-from dcpjax.sequence import ScheduledRow
 from dcpjax.sharding import layout
 
 
@@ -30,12 +31,12 @@ from dcpjax.sharding import layout
 class PreparedCall:
     """One model call, packed on the host and ready to dispatch (`ModelRunner.prepare`).
 
-    flat: the call's input (`step_input`); shape: its compile key; config: GREEDY (the model's
-    argmax is the sample) or the full sampler; token_offsets: [rows] each row's first token in
-    the flat token grid (its prompt logprobs are there).
+    chunks: its rows, in order; flat: the call's input (`step_input`); shape: its compile key;
+    config: GREEDY (the model's argmax is the sample) or the full sampler; token_offsets: [rows]
+    each row's first token in the flat token grid (its prompt logprobs are there).
     """
 
-    rows: list[ScheduledRow]
+    chunks: tuple[ScheduledChunk, ...]
     flat: np.ndarray
     shape: CallShape
     config: SamplerConfig
@@ -55,33 +56,37 @@ class CallBuilder:
                  max_logprobs: int, align: int = 1):
         self.grid, self.block_size, self.dcp, self.max_num_seqs = grid, block_size, dcp, num_slots
         self.vocab_size, self.max_logprobs, self.align = vocab_size, max_logprobs, align
-        self.requests = step_input.RequestCache()  # each request's fixed sampling values, packed once
 
-    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray, greedy: bool = False) -> list[PreparedCall]:
-        """Pack a model call's rows onto the grid: one call, or a packed prefill split in several
+    def prepare(self, chunks: Seq[ScheduledChunk], requests: RequestStates, greedy: bool = False) -> list[PreparedCall]:
+        """Pack a model call's chunks onto the grid: one call, or a packed prefill split in several
         when its rows' pages exceed the widest table.
 
-        block_tables: the scheduler's host tables [slots, blocks_per_seq], indexed by slot.
+        requests: the runner's state of each request (its sampling values).
         greedy: sample every row greedily and skip logprobs (a draft model's proposals).
         """
-        rows = list(rows)
-        config = self._config(rows, greedy)
-        longest, verify = max(r.count for r in rows), any(r.drafts for r in rows)
+        rows = list(chunks)
+        config = self._config(rows, requests, greedy)
+        longest, verify = max(r.count for r in rows), any(r.num_drafts for r in rows)
+        values = None if greedy else np.stack([requests[r.request_id].values for r in rows])
         if verify or longest == 1 or (greedy and longest <= self.grid.verify_chunk):
-            return [self._prepare_rows(rows, block_tables, config, verify, greedy)]
+            return [self._prepare_rows(rows, values, config, verify)]
         prompt = any(r.wants_prompt_logprobs for r in rows) and not greedy
-        return [self._prepare_packed(group, block_tables, config, prompt, greedy)
-                for group in self._packed_groups(rows, prompt)]
+        groups, first = [], 0
+        for group in self._packed_groups(rows, prompt):
+            part = None if values is None else values[first : first + len(group)]
+            groups.append(self._prepare_packed(group, part, config, prompt))
+            first += len(group)
+        return groups
 
-    def _config(self, rows: list[ScheduledRow], greedy: bool) -> SamplerConfig:
+    def _config(self, rows: list[ScheduledChunk], requests: RequestStates, greedy: bool) -> SamplerConfig:
         if greedy:
             return GREEDY
-        sampling = [r for r in rows if r.samples]
-        return sampler_config([r.seq.params for r in sampling], self.vocab_size,
-                              processors=any(r.seq.logits_spec is not None for r in sampling),
+        sampling = [requests[r.request_id].data for r in rows if r.samples]
+        return sampler_config([data.params for data in sampling], self.vocab_size,
+                              processors=any(data.logits_spec is not None for data in sampling),
                               max_logprobs=self.max_logprobs)
 
-    def _pages(self, row: ScheduledRow) -> int:
+    def _pages(self, row: ScheduledChunk) -> int:
         """Block-table entries the row's chunk reaches."""
         return layout.blocks_needed(row.start + row.count, self.block_size, self.dcp)
 
@@ -89,7 +94,7 @@ class CallBuilder:
         """Token places a row of `count` tokens takes in a packed call."""
         return -(-count // self.align) * self.align
 
-    def _packed_groups(self, rows: list[ScheduledRow], prompt: bool) -> list[list[ScheduledRow]]:
+    def _packed_groups(self, rows: list[ScheduledChunk], prompt: bool) -> list[list[ScheduledChunk]]:
         """Rows in order, cut where their pages together would pass the widest packed table, or
         their token places the largest token bucket (with `align` > 1), and, where attention reads
         every page of the table for every query (`ShapeGrid.whole_table` False), where that would
@@ -109,43 +114,42 @@ class CallBuilder:
             tokens, pages, own = t, p, o
         return groups
 
-    def _fill_rows(self, call: step_input.PackedCall, rows: list[ScheduledRow], offsets: np.ndarray,
-                   greedy: bool) -> None:
-        """The sampling rows' fields (one per row), their tokens and positions at `offsets`
-        (each row's first token in the flat token grid)."""
+    def _fill_rows(self, call: step_input.PackedCall, rows: list[ScheduledChunk], offsets: np.ndarray,
+                   values: np.ndarray | None) -> None:
+        """The sampling rows' fields (one per row), their tokens and positions at `offsets` (each row's
+        first token in the flat token grid); `values`: the rows' request values (None: greedy)."""
         n = len(rows)
         column = lambda values: np.fromiter(values, np.int32, n)
         tokens, positions, from_slot, seq_slots = (call.tokens(name).reshape(-1)
                                                    for name in ("tokens", "positions", "from_slot", "seq_slots"))
         for row, at in zip(rows, offsets):
             positions[at : at + row.count] = np.arange(row.start, row.start + row.count)
-            seq_slots[at : at + row.count] = row.seq.slot
+            seq_slots[at : at + row.count] = row.slot
             if row.device_input:  # a decode row's token is the slot's last sample, still on the device
-                from_slot[at] = row.seq.slot
+                from_slot[at] = row.slot
             else:
                 tokens[at : at + row.count] = row.input_ids
         call.set("sample_at", offsets + column(r.count - 1 for r in rows))
         call.set("count", column(r.count for r in rows))
-        call.set("slot", column(r.seq.slot for r in rows))
+        call.set("slot", column(r.slot for r in rows))
         call.set("samples", column(r.samples for r in rows))
-        call.set_request_values(np.stack([self.requests.values(r.seq) for r in rows]))
-        call.set("counter", column(r.seq.num_tokens - 1 - r.seq.num_prompt_tokens for r in rows))  # the draw's index
-        if greedy:  # a draft's proposals: argmax, whatever its request asks
-            call.set("temperature", np.zeros(n, np.float32))
-            call.set("wants_logprobs", np.zeros(n, np.int32))
+        if values is not None:  # else greedy (a draft's proposals): argmax, no logprobs, whatever its request asks
+            call.set_request_values(values)
+        call.set("counter", column(r.counter for r in rows))  # the draw's index
 
-    def _prepare_rows(self, rows, block_tables, config, verify: bool, greedy: bool) -> PreparedCall:
+    def _prepare_rows(self, rows, values, config, verify: bool) -> PreparedCall:
         """B rows of one sequence each: decode (chunk 1), verify or a draft's catch-up (chunk 1 + k)."""
         chunk = 1 if max(r.count for r in rows) == 1 and not verify else self.grid.verify_chunk
         shape = self.grid.rows_call(len(rows), max(self._pages(r) for r in rows), chunk, verify)
         call = step_input.PackedCall(shape, len(rows), self.max_num_seqs)
         offsets = np.arange(len(rows), dtype=np.int32) * chunk
-        self._fill_rows(call, rows, offsets, greedy)
-        slots = np.fromiter((r.seq.slot for r in rows), np.int32, len(rows))
-        call.block_tables[: len(rows)] = block_tables[slots, : shape.width]
-        return PreparedCall(rows, call.array, shape, config, offsets)
+        self._fill_rows(call, rows, offsets, values)
+        for i, row in enumerate(rows):
+            blocks = row.block_ids[: shape.width]
+            call.block_tables[i, : len(blocks)] = blocks
+        return PreparedCall(tuple(rows), call.array, shape, config, offsets)
 
-    def _prepare_packed(self, rows, block_tables, config, prompt: bool, greedy: bool) -> PreparedCall:
+    def _prepare_packed(self, rows, values, config, prompt: bool) -> PreparedCall:
         """One row of every chunk back to back, their block tables too (`step_input`)."""
         pages = np.fromiter((self._pages(r) for r in rows), np.int32, len(rows))
         rooms = np.fromiter((self._room(r.count) for r in rows), np.int32, len(rows))
@@ -153,14 +157,12 @@ class CallBuilder:
         call = step_input.PackedCall(shape, len(rows), self.max_num_seqs)
         offsets = (np.cumsum(rooms) - rooms).astype(np.int32)
         page_starts = np.cumsum(pages) - pages
-        self._fill_rows(call, rows, offsets, greedy)
+        self._fill_rows(call, rows, offsets, values)
         page_offsets, table = call.tokens("page_offsets").reshape(-1), call.block_tables[0]
         targets = call.tokens("targets").reshape(-1) if prompt else None
         for row, at, first, need in zip(rows, offsets, page_starts, pages):
             page_offsets[at : at + row.count] = first
-            table[first : first + need] = block_tables[row.seq.slot, :need]
+            table[first : first + need] = row.block_ids[:need]
             if targets is not None and row.wants_prompt_logprobs:  # each position's next prompt token
-                seq, end = row.seq, min(row.start + row.count + 1, row.seq.num_prompt_tokens)
-                after = seq.token_ids[row.start + 1 : end]
-                targets[at : at + len(after)] = after
-        return PreparedCall(rows, call.array, shape, config, offsets)
+                targets[at : at + len(row.prompt_targets)] = row.prompt_targets
+        return PreparedCall(tuple(rows), call.array, shape, config, offsets)

@@ -10,10 +10,10 @@ import os
 import jax
 import numpy as np
 
-from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout, kv_cache_layout
 from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels.kv_cache import FP8
 from dcpjax.models.config import ModelConfig
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import kv_head_slots
 
 
@@ -30,7 +30,8 @@ class KVCacheLayout:
 
     def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
         local_heads = self.kv_slots // tp_groups
-        per_token_head = sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize + (4 * len(self.pool_dims) if self.quantized else 0)
+        per_token_head = (sum(self.pool_dims) * jnp.dtype(self.dtype).itemsize
+                          + (4 * len(self.pool_dims) if self.quantized else 0))
         return num_layers * self.block_size * local_heads * per_token_head
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +29,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVPools, LinearState
 from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
@@ -40,9 +38,11 @@ from dcpjax.runner import step_input
 from dcpjax.runner.call_builder import CallBuilder, PreparedCall
 from dcpjax.runner.compile_watch import compile_watch
 from dcpjax.runner.kv_layout import KVCacheLayout
+from dcpjax.runner.messages import ScheduledCall
+from dcpjax.runner.request_states import RequestStates
 from dcpjax.runner.shape_grid import SamplerShape, ShapeGrid
 from dcpjax.runner.step_input import CallShape
-from dcpjax.runner.step_output import StepResult, as_bits, pack_logprobs
+from dcpjax.runner.step_output import ModelStepOutput, SamplerStepOutput, StepResult, as_bits, pack_logprobs
 from dcpjax.sampling import (
     MAX_LOGPROBS,
     Sampled,
@@ -55,7 +55,7 @@ from dcpjax.sampling import (
     token_logprobs,
 )
 from dcpjax.sampling.verify import num_accepted, verify_drafts
-from dcpjax.sequence import ScheduledRow
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import RULES
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,7 @@ class ModelRunner:
                                               self.replicated)
         self.calls = CallBuilder(grid, kv.block_size, pc.dcp, max_num_seqs, cfg.vocab_size, max_logprobs,
                                  align=CHUNK if cfg.is_hybrid else 1)
+        self.requests = RequestStates()  # what it keeps of each running request, by id
         # the parameters as a flat tuple: jit flattens a tuple of arrays in C++, an nnx.State in Python
         leaves, self._param_tree = jax.tree.flatten(state)
         self._param_leaves = tuple(leaves)
@@ -149,10 +150,8 @@ class ModelRunner:
             self.prompt_top
         models = {False: self._model(), True: self._model(all_positions=True)}
 
-        def step(param_leaves, kv_caches, slot_tokens, flat, shape: CallShape):
-            """-> (greedy tokens [R] ([B, T] verifying), accepted [B] (verifying) or None, prompt
-            logprobs [1, N, 2 + 2k] ("prompt") or None, logits [R, V] ([B, T, V] verifying),
-            fields [R, F], input tokens [B, T] (verifying) or None, caches, slot tokens)."""
+        def step(param_leaves, kv_caches, slot_tokens, flat, shape: CallShape) -> ModelStepOutput:
+            """One model call of `shape` from its flat input (`step_input`)."""
             state = jax.tree.unflatten(param_tree, param_leaves)
             x = step_input.unpack(flat, shape)
             f = x.fields
@@ -174,17 +173,18 @@ class ModelRunner:
             target = jnp.where(f.samples > 0, f.slot, num_slots)  # out of range: dropped
             slot_tokens = jax.lax.with_sharding_constraint(slot_tokens.at[target].set(last, mode="drop"), replicated)
             meta = flat[flat.shape[0] - shape.samples * len(step_input.FIELDS):]
-            return greedy, accepted, prompt_out, logits, meta, tokens if verify else None, kv_caches, slot_tokens
+            return ModelStepOutput(greedy, accepted, prompt_out, logits, meta, tokens if verify else None, kv_caches,
+                                   slot_tokens)
 
         return jax.jit(step, static_argnames=("shape",), donate_argnums=(1, 2))
 
     def _build_sampler_step(self):
         num_slots, replicated = self.max_num_seqs, self.replicated
 
-        def sampler_step(logits, meta, tokens, slot_tokens, processor_state, config: SamplerConfig):
-            """logits [R, V] (or [B, T, V] with the verify rows' input tokens [B, T]), the call's
-            fields [R * F] -> (tokens and logprobs [R(, T), 3 + 2k], accepted [B] or None, slot
-            tokens, processor state)."""
+        def sampler_step(logits, meta, tokens, slot_tokens, processor_state,
+                         config: SamplerConfig) -> SamplerStepOutput:
+            """logits [R, V] (or [B, T, V] with the verify rows' input tokens [B, T]) and the call's
+            fields [R * F] -> the draws."""
             f = step_input.unpack_fields(meta)
             sampled, last, accepted = _draw(logits, tokens, f, processor_state, config)
             target = jnp.where(f.samples > 0, f.slot, num_slots)
@@ -192,37 +192,43 @@ class ModelRunner:
             processor_state = jax.lax.with_sharding_constraint(
                 logits_processors.record(processor_state, target, last), replicated)
             out = jnp.concatenate([as_bits(sampled.tokens)[..., None], pack_logprobs(sampled[1:])], axis=-1)
-            return out, accepted, slot_tokens, processor_state
+            return SamplerStepOutput(out, accepted, slot_tokens, processor_state)
 
         # its inputs are fixed to replicated: whatever sharding the model call's outputs carry, one compile
         return jax.jit(sampler_step, static_argnums=(5,), donate_argnums=(3, 4), in_shardings=(replicated,) * 5)
 
     # -- one call ------------------------------------------------------------------------------
-    def prepare(self, rows: Seq[ScheduledRow], block_tables: np.ndarray, greedy: bool = False) -> list[PreparedCall]:
-        """The calls of `rows` packed on the host (`CallBuilder.prepare`)."""
-        return self.calls.prepare(rows, block_tables, greedy)
+    def prepare(self, call: ScheduledCall) -> list[PreparedCall]:
+        """The scheduler's message for one call, packed on the host (`CallBuilder.prepare`): one call,
+        or a packed prefill split in several. Learns its new requests and forgets its finished ones first."""
+        self.requests.update(call)
+        return self.calls.prepare(call.chunks, self.requests, call.greedy) if call.chunks else []
 
     def launch(self, call: PreparedCall) -> StepResult:
         """Dispatch the call (returns at once; the device runs it) and start copying its output home.
         Admitted rows whose requests edit their logits first get their slot's rows installed."""
-        for seq in (r.seq for r in call.rows if r.admitted and r.seq.logits_spec is not None):
-            self.processor_state = self._install(self.processor_state,
-                                                 logits_processors.make_install(seq, self.cfg.vocab_size))
+        for chunk in (c for c in call.chunks if c.admitted):
+            data = self.requests[chunk.request_id].data
+            if data.logits_spec is not None:
+                install = logits_processors.make_install(data.logits_spec, chunk.slot, data.output_ids,
+                                                         self.cfg.vocab_size)
+                self.processor_state = self._install(self.processor_state, install)
         shape = call.shape
         with self._watching(shape):  # jit compiles (or loads) a new shape here, before dispatch
-            greedy, accepted, prompt_output, logits, meta, tokens, self.kv_caches, self.slot_tokens = self._model_step(
-                self._param_leaves, self.kv_caches, self.slot_tokens, call.flat, shape=shape)
-        output = greedy
+            out = self._model_step(self._param_leaves, self.kv_caches, self.slot_tokens, call.flat, shape=shape)
+        self.kv_caches, self.slot_tokens = out.kv_caches, out.slot_tokens
+        output, accepted = out.greedy, out.accepted
         if not call.config.all_greedy:
             with self._watching(SamplerShape(shape.samples, shape.chunk if shape.kind == "verify" else 1)):
-                output, sampled_accepted, self.slot_tokens, self.processor_state = self._sampler_step(
-                    logits, meta, tokens, self.slot_tokens, self.processor_state, call.config)
-            accepted = accepted if sampled_accepted is None else sampled_accepted
-        for array in (output, accepted, prompt_output):
+                drawn = self._sampler_step(out.logits, out.fields, out.verify_tokens, self.slot_tokens,
+                                           self.processor_state, call.config)
+            output, self.slot_tokens, self.processor_state = drawn.sampled, drawn.slot_tokens, drawn.processor_state
+            accepted = accepted if drawn.accepted is None else drawn.accepted
+        for array in (output, accepted, out.prompt_logprobs):
             if array is not None:
                 array.copy_to_host_async()
-        return StepResult(call.rows, output, call.config, prompt_output, self.prompt_top, accepted,
-                          call.token_offsets)
+        return StepResult(tuple(c.request_id for c in call.chunks), tuple(c.count for c in call.chunks), output,
+                          call.config, out.prompt_logprobs, self.prompt_top, accepted, call.token_offsets)
 
     # -- compilation ---------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -259,7 +265,8 @@ class ModelRunner:
         verify = t > 1
         with self._lower_lock:
             lowered = self._sampler_step.lower(
-                spec((r, t, vocab) if verify else (r, vocab), jnp.float32), spec((r * len(step_input.FIELDS),), jnp.int32),
+                spec((r, t, vocab) if verify else (r, vocab), jnp.float32),
+                spec((r * len(step_input.FIELDS),), jnp.int32),
                 spec((r, t), jnp.int32) if verify else None, self.slot_tokens, self.processor_state, self.full_config)
         lowered.compile()
         self.seen.add(shape)
@@ -282,6 +289,14 @@ class ModelRunner:
     def compiled_step_count(self) -> int:
         """How many model and sampler calls have been compiled (jit's cache sizes)."""
         return self._model_step._cache_size() + self._sampler_step._cache_size()
+
+    def weight_bytes_by_device(self) -> dict[jax.Device, int]:
+        """Bytes of the parameters' shards on each of this process's devices (scales included)."""
+        held: dict[jax.Device, int] = {}
+        for leaf in self._param_leaves:
+            for shard in leaf.addressable_shards:
+                held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+        return held
 
 
 def _draw(logits: jax.Array, tokens: jax.Array | None, f: step_input.StepFields, processor_state,

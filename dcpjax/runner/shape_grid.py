@@ -153,7 +153,8 @@ class ShapeGrid:
                 shapes.append(self.rows_call(rows, width))
                 if self.verify_chunk:
                     shapes.append(self.rows_call(rows, width, self.verify_chunk, verify=not catch_up))
-        packed = [(n, False) for n in self.tokens] + ([(n, True) for n in self.prompt_tokens] if prompt_logprobs else [])
+        packed = [(n, False) for n in self.tokens] + ([(n, True) for n in self.prompt_tokens]
+                                                      if prompt_logprobs else [])
         for tokens, prompt in packed:
             least = self._least_pages(tokens)
             for width in self.packed_widths:

@@ -15,13 +15,12 @@ Two layouts (`CallShape.kind`), both a grid of B rows x T tokens:
 
 A padding token has position -1 (never stored, sees nothing) and seq_slot num_slots (no state);
 a padding sampling row has slot = num_slots (its writes are dropped). `seq_slots` is each token's
-sequence's slot, where a linear-attention layer keeps that sequence's state. Each field is one int32 column per sampling row; the float
-fields travel bit-cast.
+sequence's slot, where a linear-attention layer keeps that sequence's state. Each field is one
+int32 column per sampling row; the float fields travel bit-cast.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import NamedTuple
 
 import jax
@@ -139,20 +138,6 @@ def request_values(params, seed: int, uses_state: bool) -> np.ndarray:
                      for f in REQUEST_FIELDS], np.int32)
 
 
-class RequestCache:
-    """What the runner packs of each request and that never changes (its REQUEST_FIELDS), made once
-    per request and dropped with it (a weak reference: the engine owns the request)."""
-
-    def __init__(self) -> None:
-        self._values: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def values(self, seq) -> np.ndarray:
-        cached = self._values.get(seq)
-        if cached is None:
-            cached = self._values[seq] = request_values(seq.params, seq.seed, seq.logits_spec is not None)
-        return cached
-
-
 class PackedCall:
     """The host side: a flat array for `shape` to fill by name (padding everywhere to start with).
 
@@ -186,6 +171,6 @@ class PackedCall:
         self._meta[rows, COLUMN[name]] = values
 
     def set_request_values(self, values: np.ndarray) -> None:
-        """REQUEST_FIELDS of the real rows, [n, len(REQUEST_FIELDS)] int32 (from `RequestCache`)."""
+        """REQUEST_FIELDS of the real rows, [n, len(REQUEST_FIELDS)] int32 (`request_values`)."""
         first = COLUMN[REQUEST_FIELDS[0]]
         self._meta[: self.n, first : first + len(REQUEST_FIELDS)] = values

@@ -25,6 +25,7 @@ slot's state) travel in the packed step input.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -120,21 +121,21 @@ class Install(NamedTuple):
     history: np.ndarray  # [MAX_BAD_WORD_TOKENS - 1] int32
 
 
-def make_install(seq, vocab_size: int) -> Install:
-    """The install of admitted sequence `seq` (with a `logits_spec`): its rows built on the host."""
-    spec = seq.logits_spec
+def make_install(spec: LogitsSpec, slot: int, output_ids: Sequence[int], vocab_size: int) -> Install:
+    """The install of an admitted request with `spec` into `slot`, its rows built on the host;
+    `output_ids`: the tokens it generated before (after a preemption), counted by the penalties."""
     bias = np.full(vocab_size, spec.bias_base, np.float32)
     bias[spec.bias_ids] = spec.bias_values
     flags = np.zeros(vocab_size, np.int8)
     flags[spec.flag_ids] = spec.flag_bits
-    counts = np.bincount(np.asarray(seq.output_ids, np.int64), minlength=vocab_size)[:vocab_size].astype(np.int32)
+    counts = np.bincount(np.asarray(output_ids, np.int64), minlength=vocab_size)[:vocab_size].astype(np.int32)
     words = np.full((MAX_BAD_WORDS, MAX_BAD_WORD_TOKENS), ANY, np.int32)
     words[: len(spec.words)] = spec.words
     history = np.full(MAX_BAD_WORD_TOKENS - 1, NONE, np.int32)
-    tail = seq.output_ids[-(MAX_BAD_WORD_TOKENS - 1):]
+    tail = list(output_ids)[-(MAX_BAD_WORD_TOKENS - 1):]
     if tail:
         history[-len(tail):] = tail
-    return Install(np.int32(seq.slot), bias, flags, counts, words, history)
+    return Install(np.int32(slot), bias, flags, counts, words, history)
 
 
 def install(state: ProcessorState, new: Install) -> ProcessorState:

@@ -6,8 +6,9 @@ and min_p are elementwise masks; top_k / top_p rows look at the `candidates` bes
 distribution), or a top_k wider than them, is found by bisection on the cutoff logit over the
 whole vocabulary (32 masked sums each) and drawn from there, under a `lax.cond`, so only when it
 happens. A step compiles one of two configs (`sampler_config`): greedy, or one that serves every
-row, whose optional parts (candidates, logprobs) are skipped at run time when no row uses them. Tokens whose logits tie at the cutoff are kept or
-dropped together. Every draw's key depends only on (seed, counter): a seeded request
+row, whose optional parts (candidates, logprobs) are skipped at run time when no row uses them.
+Tokens whose logits tie at the cutoff are kept or dropped together. Every draw's key depends
+only on (seed, counter): a seeded request
 reproduces whatever the batch: the Gumbel noise of a draw is a hash of (key, token id),
 so it does not depend on the batch, the number of candidates, or which path was taken.
 """

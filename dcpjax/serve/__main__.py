@@ -13,8 +13,9 @@ import argparse
 import logging
 import sys
 
-from dcpjax import cli
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
+from dcpjax.entrypoints import cli
+from dcpjax.llm import LLM
 from dcpjax.serve.process.faults import DEFAULT_FAILURE_TIMEOUT
 from dcpjax.serve.tools.parsers import PARSERS
 
@@ -109,7 +110,7 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     watch = compile_watch()
     logger.info("ready after %d XLA compiles and %d loads from the compilation cache %s (%.1f s building them)",
                 watch.compiled, watch.loaded, llm.compilation_cache_dir or "(off)", watch.seconds)
-    llm.runner.mark_ready()  # a step shape first seen from now on is logged and counted
+    llm.mark_ready()  # a step shape first seen from now on is logged and counted
     try:
         server.run()
     finally:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
     init_distributed(args)
-    llm = EngineArgs.from_cli_args(args).create_llm()
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     channel = None
     if args.num_processes > 1:
         from dcpjax.serve.process.multihost import CommandChannel, follow

@@ -20,10 +20,9 @@ import time
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 import dcpjax
-from dcpjax.chat_template import ChatTemplate
 from dcpjax.serve.context import ServerContext
 from dcpjax.serve.errors import APIError, add_error_handling, error_response
 from dcpjax.serve.protocol import ModelList
@@ -33,6 +32,7 @@ from dcpjax.serve.routes.completions import add_completions_route
 from dcpjax.serve.routes.openapi import install_openapi, route_responses
 from dcpjax.serve.routes.tokenization import add_tokenize_routes
 from dcpjax.serve.tools.calls import ToolConfig
+from dcpjax.text.chat_template import ChatTemplate
 
 __all__ = ["APIError", "build_app", "error_response"]
 
@@ -75,7 +75,7 @@ def _add_info_routes(app: FastAPI, server: ServerContext, responses) -> None:
              response_description="Prometheus text exposition format")
     async def prometheus():
         """vLLM's metrics under the `dcpjax:` prefix."""
-        return PlainTextResponse(generate_latest(server.metrics.registry).decode(), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(server.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", response_model=ModelList, responses=responses("/v1/models"))
     async def models():

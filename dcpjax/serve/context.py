@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import StreamingResponse
 
-from dcpjax.chat_template import ChatTemplate
 from dcpjax.engine.requests import RequestError
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
 from dcpjax.serve.tools.calls import ToolConfig
+from dcpjax.text.chat_template import ChatTemplate
 
 if TYPE_CHECKING:  # for the types only: the routes receive these objects, they do not build them
     from dcpjax.llm import LLM
@@ -45,6 +45,11 @@ class ServerContext:
     created: int
     tools: ToolConfig = dataclasses.field(default_factory=ToolConfig)
 
+    # what the routes ask of the model (not reached through `llm`)
+    tokenizer = property(lambda self: self.llm.tokenizer)  # None: a model folder without tokenizer.json
+    max_model_len = property(lambda self: self.llm.max_model_len)
+    vocab_size = property(lambda self: self.llm.vocab_size)
+
     def check_model(self, name: str) -> None:
         if name != self.model:
             raise APIError(404, f"model {name!r} does not exist; this server serves {self.model!r}",
@@ -55,7 +60,7 @@ class ServerContext:
         """The request's SamplingParams: its fields, else the model's generation_config defaults,
         else vLLM's; a 400 naming the field for a value or a field the server cannot honour."""
         check_extra_fields(body)
-        _check_max_tokens(max_tokens, self.llm.max_model_len, max_tokens_param)
+        _check_max_tokens(max_tokens, self.max_model_len, max_tokens_param)
         if body.stream and body.best_of is not None and body.best_of > body.n:
             raise APIError(400, "best_of > n cannot stream (the best choices are known only at the end): send "
                                 "stream=false, or drop best_of", param="best_of")
@@ -68,7 +73,7 @@ class ServerContext:
         top_k = given("top_k", 0)
         values = dict(
             n=body.n, best_of=body.best_of, temperature=given("temperature", 1.0), top_p=given("top_p", 1.0),
-            top_k=0 if top_k >= self.llm.model_config.vocab_size else top_k,  # the whole vocabulary: no filter
+            top_k=0 if top_k >= self.vocab_size else top_k,  # the whole vocabulary: no filter
             min_p=given("min_p", 0.0), presence_penalty=given("presence_penalty", 0.0),
             frequency_penalty=given("frequency_penalty", 0.0), repetition_penalty=given("repetition_penalty", 1.0),
             logit_bias=_logit_bias(body.logit_bias), min_tokens=body.min_tokens, bad_words=body.bad_words,
@@ -96,13 +101,13 @@ class ServerContext:
             raise APIError(400, str(err), param=_field_of(str(err)) or param) from err
 
     def encode(self, text: str, **kwargs) -> list[int]:
-        if self.llm.tokenizer is None:
+        if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send the prompt as token ids", param="prompt")
-        return self.llm.tokenizer.encode(text, **kwargs)
+        return self.tokenizer.encode(text, **kwargs)
 
     def piece(self, token: int) -> str:
         """A token's text, as logprobs show it."""
-        tokenizer = self.llm.tokenizer
+        tokenizer = self.tokenizer
         return tokenizer.token_text(token) if tokenizer is not None else str(token)
 
     async def stream_all(self, seqs: list[Sequence]) -> AsyncIterator[tuple[int, Update]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dcpjax.runner.compile_watch import compile_watch
 
@@ -19,7 +19,8 @@ class Metrics:
             return Counter(f"dcpjax:{name}", doc, list(labels), registry=self.registry).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return Histogram(f"dcpjax:{name}", doc, list(labels), buckets=buckets, registry=self.registry).labels(**labels)
+            return Histogram(f"dcpjax:{name}", doc, list(labels), buckets=buckets,
+                             registry=self.registry).labels(**labels)
 
         latency = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
@@ -52,20 +53,26 @@ class Metrics:
         self._compiles_counted = (0, 0)
         self._spec_counted: dict[str, int] = {}
 
+    def exposition(self) -> str:
+        """The metrics in Prometheus' text format (what /metrics returns)."""
+        return generate_latest(self.registry).decode()
+
     def update(self, engine) -> None:
-        self.kv_cache_usage.set(engine.kv_usage)
-        self.running.set(len(engine.running))
-        self.waiting.set(len(engine.waiting))
-        stats = engine.prefix_cache_stats
-        self.prefix_cache_queries.inc(stats.queries - self._counted[0])
-        self.prefix_cache_hits.inc(stats.hits - self._counted[1])
-        self._counted = (stats.queries, stats.hits)
-        self.cached_blocks.set(engine.num_cached_blocks)
-        compiled, after_ready = compile_watch().compiled, engine.runner.steps_compiled_after_ready
+        """Read the engine's counters (`Engine.stats()`) into the metrics."""
+        stats = engine.stats()
+        self.kv_cache_usage.set(stats.kv_usage)
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        prefix = stats.prefix_cache
+        self.prefix_cache_queries.inc(prefix.queries - self._counted[0])
+        self.prefix_cache_hits.inc(prefix.hits - self._counted[1])
+        self._counted = (prefix.queries, prefix.hits)
+        self.cached_blocks.set(stats.num_cached_blocks)
+        compiled, after_ready = compile_watch().compiled, stats.steps_compiled_after_ready
         self.compilations.inc(compiled - self._compiles_counted[0])  # never decreases (CompileWatch.compiled)
         self.compilations_after_ready.inc(after_ready - self._compiles_counted[1])
         self._compiles_counted = (compiled, after_ready)
-        spec = engine.spec_stats
+        spec = stats.spec_decode
         if spec is not None:
             counts = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
                       "accepted_tokens": spec.num_accepted_tokens}

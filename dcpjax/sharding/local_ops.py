@@ -1,6 +1,6 @@
 """Per-device DCP steps, for code already inside `shard_map` on the ("tp", "dcp") mesh.
 
-The public op (`dcpjax.attention`) and the models share these, so there is one
+The public op (`dcpjax.sharding.attention`) and the models share these, so there is one
 rule for where a rank stores a token and one attention-with-LSE-merge.
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache, attention
 from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.merge import merge_over_dcp
 from dcpjax.sharding.mesh import DCP_AXIS
 

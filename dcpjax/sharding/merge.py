@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels.merge import merge_partials, merge_weights, total_lse, weighted
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import DCP_AXIS
 
 

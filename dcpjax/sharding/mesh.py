@@ -16,9 +16,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from dcpjax.config import ParallelConfig, TooFewDevicesError
 from dcpjax.kernels.kv_cache import KVCache, KVPools
 from dcpjax.kernels.linear_state import LinearState
+from dcpjax.sharding.config import ParallelConfig, TooFewDevicesError
 
 TP_AXIS = "tp"
 DCP_AXIS = "dcp"

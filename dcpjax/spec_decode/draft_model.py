@@ -31,13 +31,13 @@ import weakref
 import numpy as np
 from flax import nnx
 
-from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.runner.step_output import StepResult
-from dcpjax.sequence import ScheduledRow
+from dcpjax.sequence import ScheduledRow, scheduled_call
+from dcpjax.sharding.config import ParallelConfig
 
 
 @dataclasses.dataclass
@@ -74,7 +74,8 @@ class DraftModelProposer:
 
     def _launch(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> list[StepResult]:
         """Greedy draft calls of `rows` (a packed call may be split in several), dispatched."""
-        return [self.runner.launch(call) for call in self.runner.prepare(rows, block_tables, greedy=True)]
+        call = scheduled_call(rows, block_tables, greedy=True)
+        return [self.runner.launch(prepared) for prepared in self.runner.prepare(call)]
 
     def after_prefill(self, rows: list[ScheduledRow], block_tables: np.ndarray) -> None:
         """Compute the target's prefill chunks in the draft's cache too (nothing sampled)."""
@@ -108,7 +109,7 @@ class DraftModelProposer:
             calls.append((going, self._launch(steps, block_tables)))
         drafts = {id(row): [] for row in active}
         for going, results in calls:
-            tokens = np.concatenate([r.fetch()["tokens"][: len(r.rows)] for r in results])
+            tokens = np.concatenate([r.fetch().sampled_token_ids[: len(r.request_ids)] for r in results])
             for i, row in enumerate(going):
                 drafts[id(row)].append(int(tokens[i]))
         for row in active:

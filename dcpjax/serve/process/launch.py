@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import IO, Self
 
-from dcpjax.devices import env_without_forced_device_count
+from dcpjax.sharding.devices import env_without_forced_device_count
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class ServerProcess:
 
 
 class ServerUsageError(RuntimeError, ValueError):
-    """The server refused its arguments (a user error: `dcpjax.cli` prints its `summary` line)."""
+    """The server refused its arguments (a user error: `dcpjax.entrypoints.cli` prints its `summary` line)."""
 
     summary: str = ""
 
@@ -134,8 +134,8 @@ def start_server(args: Sequence[str], *, followers: Sequence[Sequence[str]] = ()
     for command in commands:
         log = tempfile.TemporaryFile()  # noqa: SIM115 (outlives this function: ServerProcess.stop closes it)
         logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, "-m", "dcpjax.serve", *command], env=server_env() | dict(env or {}),
-                                      stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([sys.executable, "-m", "dcpjax.serve", *command],
+                                      env=server_env() | dict(env or {}), stdout=log, stderr=subprocess.STDOUT))
     server = ServerProcess(procs, logs, f"http://{HOST}:{port}")
     logger.info("started %s (pids %s); waiting for /health", server.base_url, [p.pid for p in procs])
     server.wait_healthy(timeout)

@@ -4,9 +4,9 @@ Each process holds an identical engine. Before every step, process 0 broadcasts 
 commands its HTTP handlers queued (adds, aborts; an empty list as a heartbeat when
 idle) with `jax.experimental.multihost_utils.broadcast_one_to_all`, and every process
 applies them in the same order. Each exchange starts with a heartbeat carrying process 0's
-step counter; a follower whose own counter differs has diverged and stops (`faults`). Scheduling and seeded sampling are deterministic, so
-all processes enter the same jitted step with the same inputs (SPMD), as JAX's
-multi-controller runtime requires.
+step counter; a follower whose own counter differs has diverged and stops (`faults`).
+Scheduling and seeded sampling are deterministic, so all processes enter the same jitted step
+with the same inputs (SPMD), as JAX's multi-controller runtime requires.
 """
 
 from __future__ import annotations

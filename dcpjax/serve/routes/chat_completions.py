@@ -11,13 +11,13 @@ import time
 
 from fastapi import FastAPI
 
-from dcpjax.chat_template import text_content
 from dcpjax.engine.requests import best_of
 from dcpjax.serve.context import ServerContext, prompt_key, sse, usage
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ChatCompletionResponse, ChatRequest
 from dcpjax.serve.routes import logprob_format
 from dcpjax.serve.tools.calls import StreamedToolCalls, parsed_message, tool_definitions
+from dcpjax.text.chat_template import text_content
 
 
 def message_dicts(body) -> list[dict]:
@@ -30,7 +30,7 @@ def chat_prompt(server: ServerContext, body, tools: list[dict] | None = None,
                 opening: str = "") -> tuple[list[int], str]:
     """The chat template applied to the messages, then `opening` (the start of the assistant's
     answer, when a tool call is required): (token ids, text)."""
-    if server.llm.tokenizer is None:
+    if server.tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it cannot serve chat: use /v1/completions with token ids")
     try:
         text = server.chat_template.render(

@@ -32,7 +32,7 @@ def _prompts(server: ServerContext, body: CompletionRequest) -> list[tuple[list[
     prompts = list(prompt) if many else [prompt]
     if not prompts:
         raise APIError(400, "the prompt list is empty: send at least one prompt", param="prompt")
-    tokenizer = server.llm.tokenizer
+    tokenizer = server.tokenizer
     out = []
     for one in prompts:
         if isinstance(one, list):

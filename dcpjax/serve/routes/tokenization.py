@@ -19,9 +19,9 @@ from dcpjax.serve.tools.calls import tool_definitions
 
 
 def _tokenizer(server: ServerContext):
-    if server.llm.tokenizer is None:
+    if server.tokenizer is None:
         raise APIError(400, "this model folder has no tokenizer.json, so it cannot tokenize")
-    return server.llm.tokenizer
+    return server.tokenizer
 
 
 def add_tokenize_routes(app: FastAPI, server: ServerContext, responses) -> None:
@@ -35,7 +35,7 @@ def add_tokenize_routes(app: FastAPI, server: ServerContext, responses) -> None:
             ids, _ = chat_prompt(server, body, tool_definitions(body))
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"count": len(ids), "max_model_len": server.llm.max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
                 "token_strs": [server.piece(t) for t in ids] if body.return_token_strs else None}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=responses("/detokenize"))
@@ -43,7 +43,7 @@ def add_tokenize_routes(app: FastAPI, server: ServerContext, responses) -> None:
         """The text of token ids."""
         if body.model is not None:
             server.check_model(body.model)
-        vocab = server.llm.model_config.vocab_size
+        vocab = server.vocab_size
         if any(t >= vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": _tokenizer(server).decode(body.tokens)}

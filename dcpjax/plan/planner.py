@@ -15,10 +15,10 @@ import dataclasses
 import itertools
 from collections.abc import Callable
 
-from dcpjax.config import ParallelConfig
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
 
 GB = 1e9
@@ -87,7 +87,8 @@ def memory_held(weight_bytes: float, sequences: int, state_bytes_per_sequence: f
     per-sequence linear-attention state when it has one."""
     held = f"weights ({weight_bytes / GB:.4g} GB per device)"
     if state_bytes_per_sequence:
-        held += f" and {sequences} sequences' linear-attention state ({sequences * state_bytes_per_sequence / GB:.4g} GB)"
+        held += (f" and {sequences} sequences' linear-attention state "
+                 f"({sequences * state_bytes_per_sequence / GB:.4g} GB)")
     return held
 
 
@@ -293,6 +294,7 @@ def plan_table(plan: dict) -> str:
     if state := next((r["state_bytes_per_sequence_per_device"] for r in plan["sizes"]
                       if r.get("state_bytes_per_sequence_per_device")), 0):
         lines.append(f"  linear-attention state: {state / 1e6:,.2f} MB per sequence per device at every DCP size "
-                     f"({plan['workload']['concurrency']} sequences: {plan['workload']['concurrency'] * state / GB:,.2f}"
+                     f"({plan['workload']['concurrency']} sequences: "
+                     f"{plan['workload']['concurrency'] * state / GB:,.2f}"
                      " GB), beside the KV")
     return "\n".join([*lines, "", *recommendation_lines(plan)])

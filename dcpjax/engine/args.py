@@ -5,7 +5,7 @@ the process). Each field carries its CLI flag(s), help, `choices` (taken from th
 own constants) and check. `EngineArgs.add_cli_args(parser)` generates the engine flags of
 `python -m dcpjax.generate`, `serve`, `bench` and `demo`; `EngineArgs.from_cli_args(args)`
 reads them back (checked again), `to_cli_args()` writes them out (to start a server) and
-`create_engine_config()` makes the `EngineConfig` that `create_llm()` builds the engine from.
+`create_engine_config()` makes the `EngineConfig` that `LLM.from_engine_args(args)` builds the engine from.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
-from dcpjax.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
-from dcpjax.llm import LLM
 from dcpjax.loader.model_source import BUILTIN_NAMES, LOAD_FORMATS
 from dcpjax.sampling import MAX_LOGPROBS
+from dcpjax.sharding.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
@@ -91,7 +90,8 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
         except ValueError:
             if kind is dict:
                 raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
-            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
         problem = None if f.metadata["choices"] else _problem(f, value)
         if problem:
             raise argparse.ArgumentTypeError(f"{problem}, got {text}")
@@ -128,8 +128,8 @@ class EngineArgs:
                                          "--kv-cache-memory-bytes is not given", kind=float, check=_fraction)
     kv_cache_dtype: str = _arg("auto", "'auto' (the model dtype), 'fp8' (e4m3 with a float32 scale per token and "
                                "KV head) or a dtype name", kind=str, choices=("auto", *KV_CACHE_DTYPES, *DTYPES))
-    attention_backend: str = _arg("auto", "attention implementation, decode and prefill ('auto': Pallas on GPU/TPU where the "
-                                  "shapes fit)", kind=str, choices=ATTENTION_BACKENDS)
+    attention_backend: str = _arg("auto", "attention implementation, decode and prefill ('auto': Pallas on GPU/TPU "
+                                  "where the shapes fit)", kind=str, choices=ATTENTION_BACKENDS)
     block_size: int = _arg(16, "tokens per KV block on each DCP rank", check=_at_least(1))
     max_num_seqs: int = _arg(64, "sequences running together", check=_at_least(1))
     max_num_batched_tokens: int = _arg(256, "tokens per step, prefill chunks and decode tokens together "
@@ -240,7 +240,7 @@ class EngineArgs:
     def use_cpu_devices(self) -> None:
         """Fake `num_cpu_devices` CPU devices (if > 0); call before JAX creates its backends."""
         if self.num_cpu_devices:
-            from dcpjax.devices import use_cpu_devices
+            from dcpjax.sharding.devices import use_cpu_devices
 
             use_cpu_devices(self.num_cpu_devices)
 
@@ -252,8 +252,3 @@ class EngineArgs:
             del values[name]  # grouped below, or accepted only for vLLM's command lines
         return EngineConfig(parallel=self.parallel_config(),
                             speculative=SpeculativeConfig.from_dict(self.speculative_config), **values)
-
-    def create_llm(self, **kwargs: Any) -> LLM:
-        """The `LLM` of these arguments (`kwargs`, e.g. `devices`, are passed on)."""
-        logger.debug("creating LLM from %s", self)
-        return LLM.from_engine_config(self.create_engine_config(), **kwargs)

@@ -14,7 +14,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from dcpjax.config import TooFewDevicesError
+from dcpjax.sharding.config import TooFewDevicesError
 
 USAGE_EXIT = 2  # argparse's status for a bad command line
 

@@ -134,3 +134,11 @@ def decode_stream(tokenizer):
     if isinstance(tokenizer, HFTokenizer):
         return _HFStream(tokenizer.tokenizer)
     return _ByteStream()
+
+
+def eos_token_ids(model_eos: list[int], tokenizer) -> set[int]:
+    """The tokens that end a sequence: the model config's, and the tokenizer's own (if it has one)."""
+    eos = set(model_eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return eos

@@ -4,8 +4,8 @@ In a checkout they are the repository's `configs/` folder (`dcpjax/configs` link
 editable install reads them in place); a wheel carries them as package data in `dcpjax/configs/`.
 Either way the path does not depend on the working directory:
 
-    from dcpjax.deployments import config_path
-    from dcpjax.plan import Deployment
+    from dcpjax.plan.deployments import config_path
+    from dcpjax.plan.deployment import Deployment
 
     deployment = Deployment.from_file(config_path("deepseek-v3-tp8-dcp8"))
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pathlib
 
-CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"  # dcpjax/configs
 
 
 def configs_dir() -> pathlib.Path:

@@ -14,8 +14,8 @@ import argparse
 import functools
 import sys
 
-from dcpjax import cli
-from dcpjax.engine_args import EngineArgs
+from dcpjax.engine.args import EngineArgs
+from dcpjax.entrypoints import cli
 
 # name: (q_heads, kv_heads, dk, dv, latent)
 LAYOUTS = {
@@ -59,7 +59,7 @@ def _print_layout(name, layout, args, engine_args, rng) -> None:
     import numpy as np
 
     import dcpjax
-    from dcpjax.testing import attention_f64
+    from dcpjax.kernels.oracle import attention_f64
 
     q_heads, kv_heads, dk, dv, latent = layout
     lengths = np.linspace(args.context_len, max(args.context_len // 3, 1), args.batch).astype(np.int32)

@@ -17,10 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from dcpjax.config import ParallelConfig
 from dcpjax.kernels import AttentionOptions, KVCache, check_attention_backend
 from dcpjax.kernels.kv_cache import FP8, MAX_CONTIGUOUS_PAGE, contiguous_page_size
 from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots
 from dcpjax.sharding.mesh import RULES, check_mesh, kv_head_slots
 

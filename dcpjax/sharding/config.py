@@ -56,7 +56,8 @@ class ParallelConfig:
             raise ValueError(
                 "Rule 'dcp_comm_backend=\"a2a\" needs decode_context_parallel_size > 1' failed: "
                 "with DCP 1 there is nothing to exchange. Use dcp_comm_backend=\"ag_rs\", or set "
-                + (f"decode_context_parallel_size to one of {larger}." if larger else "tensor_parallel_size > 1 and DCP > 1.")
+                + (f"decode_context_parallel_size to one of {larger}." if larger
+                   else "tensor_parallel_size > 1 and DCP > 1.")
             )
 
     # -- derived sizes -----------------------------------------------------

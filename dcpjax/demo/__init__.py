@@ -1,0 +1,1 @@
+"""`python -m dcpjax.demo`: one layer's DCP decode attention against no DCP (`__main__`)."""
