@@ -131,15 +131,14 @@ class ScheduledRow:
         known = self.seq.token_ids[self.start : self.start + self.count - len(self.drafts)]
         return known + self.drafts
 
-    def chunk(self, block_ids: np.ndarray) -> ScheduledChunk:
-        """The row as the runner's message (`block_ids`: the blocks the sequence holds, in order)."""
+    def chunk(self) -> ScheduledChunk:
+        """The row as the runner's message."""
         seq, wants = self.seq, self.wants_prompt_logprobs
         targets = seq.token_ids[self.start + 1 : min(self.start + self.count + 1, seq.num_prompt_tokens)] if wants \
             else ()
         return ScheduledChunk(seq.request_id, seq.slot, self.start, self.count, self.samples, self.device_input,
-                              tuple(self.input_ids), block_ids, counter=seq.num_tokens - 1 - seq.num_prompt_tokens,
-                              num_drafts=len(self.drafts), wants_prompt_logprobs=wants, prompt_targets=tuple(targets),
-                              admitted=self.admitted)
+                              tuple(self.input_ids), seq.num_tokens - 1 - seq.num_prompt_tokens, len(self.drafts),
+                              wants, tuple(targets), self.admitted)
 
 
 def new_request_data(seq: Sequence) -> NewRequestData:
@@ -150,13 +149,12 @@ def new_request_data(seq: Sequence) -> NewRequestData:
 
 def scheduled_call(rows: Seq[ScheduledRow], block_tables: np.ndarray, *, greedy: bool = False,
                    finished_request_ids: Collection[str] = ()) -> ScheduledCall:
-    """A model call's rows as the runner's message: each row's block ids copied out of the scheduler's
-    `block_tables` [slots, blocks_per_seq] (one gather, read-only), the rows admitted since the
-    runner last saw their requests as `NewRequestData`."""
+    """A model call's rows as the runner's message: their requests' block-table rows copied out of the
+    scheduler's `block_tables` [slots, blocks_per_seq] (one gather, read-only), the rows admitted since
+    the runner last saw their requests as `NewRequestData`."""
     slots = np.fromiter((row.seq.slot for row in rows), np.int32, len(rows))
-    needed = [len(row.seq.blocks) for row in rows]
-    tables = block_tables[slots, : max(needed, default=0)]  # fancy indexing: a copy
+    tables = block_tables[slots, : max((len(row.seq.blocks) for row in rows), default=0)]  # fancy indexing: a copy
     tables.flags.writeable = False
-    chunks = tuple(row.chunk(tables[i, : need]) for i, (row, need) in enumerate(zip(rows, needed)))
-    return ScheduledCall(chunks, tuple(new_request_data(row.seq) for row in rows if row.admitted),
+    return ScheduledCall(tuple(row.chunk() for row in rows), tables,
+                         tuple(new_request_data(row.seq) for row in rows if row.admitted),
                          frozenset(finished_request_ids), greedy)

@@ -141,11 +141,12 @@ def test_the_runner_gets_a_message_of_ids_counts_and_copied_block_ids():
     assert [(c.request_id, c.slot, c.start, c.count, c.samples, c.input_ids) for c in call.chunks] == [
         ("a", a.slot, 0, 6, True, (1, 2, 3, 4, 5, 6)), ("b", b.slot, 0, 3, True, (50, 51, 52))]
     assert [n.request_id for n in call.new_requests] == ["a", "b"] and call.new_requests[0].params.temperature == 0.5
-    assert not any(isinstance(v, Sequence) for c in call.chunks for v in vars(c).values())
-    blocks = call.chunks[0].block_ids
-    assert blocks.tolist() == a.blocks and not blocks.flags.writeable
+    assert not any(isinstance(v, Sequence) for c in call.chunks for v in c)
+    blocks = call.block_tables
+    assert blocks[0, : len(a.blocks)].tolist() == a.blocks and blocks[1, : len(b.blocks)].tolist() == b.blocks
+    assert not blocks.flags.writeable
     scheduler.block_tables[a.slot, 0] = 999  # the scheduler's own table moves on; the message does not
-    assert blocks.tolist() == a.blocks
+    assert blocks[0, : len(a.blocks)].tolist() == a.blocks
     read(scheduler, step.prefill, {"a": [7], "b": [8]})
     scheduler.finish(b)
     step = scheduler.schedule()

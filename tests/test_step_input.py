@@ -68,11 +68,12 @@ def test_the_runner_keeps_requests_by_id_from_the_schedulers_messages():
     and a chunk of a request the runner was never told of is a clear error."""
     states = RequestStates()
     new = lambda rid, temperature: NewRequestData(rid, SamplingParams(temperature=temperature), 3, 4)
-    states.update(ScheduledCall((), (new("a", 0.5), new("b", 0.0))))
+    states.update(ScheduledCall((), np.zeros((0, 0), np.int32), (new("a", 0.5), new("b", 0.0))))
     assert len(states) == 2
     np.testing.assert_array_equal(states["a"].values, step_input.request_values(SamplingParams(temperature=0.5), 3,
                                                                                 False))
-    states.update(ScheduledCall((), (new("a", 1.0),), finished_request_ids=frozenset({"a", "b"})))
+    states.update(ScheduledCall((), np.zeros((0, 0), np.int32), (new("a", 1.0),),
+                                finished_request_ids=frozenset({"a", "b"})))
     assert len(states) == 1 and states["a"].data.params.temperature == 1.0
     with pytest.raises(KeyError, match="never told of request 'b'"):
         states["b"]

@@ -14,12 +14,11 @@ Layouts (`ModelRunner.prepare` -> `CallBuilder.prepare`):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence as Seq
 
 import numpy as np
 
 from dcpjax.runner import step_input
-from dcpjax.runner.messages import ScheduledChunk
+from dcpjax.runner.messages import ScheduledCall, ScheduledChunk
 from dcpjax.runner.request_states import RequestStates
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.runner.step_input import CallShape
@@ -57,24 +56,25 @@ class CallBuilder:
         self.grid, self.block_size, self.dcp, self.max_num_seqs = grid, block_size, dcp, num_slots
         self.vocab_size, self.max_logprobs, self.align = vocab_size, max_logprobs, align
 
-    def prepare(self, chunks: Seq[ScheduledChunk], requests: RequestStates, greedy: bool = False) -> list[PreparedCall]:
-        """Pack a model call's chunks onto the grid: one call, or a packed prefill split in several
-        when its rows' pages exceed the widest table.
+    def prepare(self, message: ScheduledCall, requests: RequestStates) -> list[PreparedCall]:
+        """Pack the scheduler's message for one model call onto the grid: one call, or a packed
+        prefill split in several when its rows' pages exceed the widest table.
 
-        requests: the runner's state of each request (its sampling values).
-        greedy: sample every row greedily and skip logprobs (a draft model's proposals).
+        requests: the runner's state of each request (its sampling values). A greedy message samples
+        every row by argmax and skips logprobs (a draft model's proposals).
         """
-        rows = list(chunks)
+        rows, greedy, tables = list(message.chunks), message.greedy, message.block_tables
         config = self._config(rows, requests, greedy)
         longest, verify = max(r.count for r in rows), any(r.num_drafts for r in rows)
         values = None if greedy else np.stack([requests[r.request_id].values for r in rows])
         if verify or longest == 1 or (greedy and longest <= self.grid.verify_chunk):
-            return [self._prepare_rows(rows, values, config, verify)]
+            return [self._prepare_rows(rows, tables, values, config, verify)]
         prompt = any(r.wants_prompt_logprobs for r in rows) and not greedy
         groups, first = [], 0
         for group in self._packed_groups(rows, prompt):
-            part = None if values is None else values[first : first + len(group)]
-            groups.append(self._prepare_packed(group, part, config, prompt))
+            part = slice(first, first + len(group))
+            groups.append(self._prepare_packed(group, tables[part], None if values is None else values[part], config,
+                                               prompt))
             first += len(group)
         return groups
 
@@ -137,19 +137,18 @@ class CallBuilder:
             call.set_request_values(values)
         call.set("counter", column(r.counter for r in rows))  # the draw's index
 
-    def _prepare_rows(self, rows, values, config, verify: bool) -> PreparedCall:
+    def _prepare_rows(self, rows, tables: np.ndarray, values, config, verify: bool) -> PreparedCall:
         """B rows of one sequence each: decode (chunk 1), verify or a draft's catch-up (chunk 1 + k)."""
         chunk = 1 if max(r.count for r in rows) == 1 and not verify else self.grid.verify_chunk
         shape = self.grid.rows_call(len(rows), max(self._pages(r) for r in rows), chunk, verify)
         call = step_input.PackedCall(shape, len(rows), self.max_num_seqs)
         offsets = np.arange(len(rows), dtype=np.int32) * chunk
         self._fill_rows(call, rows, offsets, values)
-        for i, row in enumerate(rows):
-            blocks = row.block_ids[: shape.width]
-            call.block_tables[i, : len(blocks)] = blocks
+        width = min(shape.width, tables.shape[1])
+        call.block_tables[: len(rows), :width] = tables[:, :width]
         return PreparedCall(tuple(rows), call.array, shape, config, offsets)
 
-    def _prepare_packed(self, rows, values, config, prompt: bool) -> PreparedCall:
+    def _prepare_packed(self, rows, tables: np.ndarray, values, config, prompt: bool) -> PreparedCall:
         """One row of every chunk back to back, their block tables too (`step_input`)."""
         pages = np.fromiter((self._pages(r) for r in rows), np.int32, len(rows))
         rooms = np.fromiter((self._room(r.count) for r in rows), np.int32, len(rows))
@@ -160,9 +159,9 @@ class CallBuilder:
         self._fill_rows(call, rows, offsets, values)
         page_offsets, table = call.tokens("page_offsets").reshape(-1), call.block_tables[0]
         targets = call.tokens("targets").reshape(-1) if prompt else None
-        for row, at, first, need in zip(rows, offsets, page_starts, pages):
+        for row, own, at, first, need in zip(rows, tables, offsets, page_starts, pages):
             page_offsets[at : at + row.count] = first
-            table[first : first + need] = row.block_ids[:need]
+            table[first : first + need] = own[:need]
             if targets is not None and row.wants_prompt_logprobs:  # each position's next prompt token
                 targets[at : at + len(row.prompt_targets)] = row.prompt_targets
         return PreparedCall(tuple(rows), call.array, shape, config, offsets)

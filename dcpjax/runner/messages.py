@@ -1,5 +1,6 @@
 """The host messages between the engine and the runner, both ways (vLLM v1's `SchedulerOutput` and
-`ModelRunnerOutput`): plain, immutable data of request ids, token counts, token ids and block ids.
+`ModelRunnerOutput`): plain, immutable data of request ids, token counts, token ids and block ids (NamedTuples where
+one is made per row and step: they cost a fraction of a frozen dataclass to build).
 
     engine -> runner   `ScheduledCall`: one model call's chunks, the requests admitted since the
                        runner last heard of them (`NewRequestData`) and the ids of those finished
@@ -13,6 +14,7 @@ remember of a request (its sampling values) it keeps itself, keyed by request id
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
@@ -20,8 +22,7 @@ from dcpjax.sampling import SamplingParams
 from dcpjax.sampling.logits_processors import LogitsSpec
 
 
-@dataclasses.dataclass(frozen=True)
-class NewRequestData:
+class NewRequestData(NamedTuple):
     """A request the runner has not seen since it was admitted (new, or back after a preemption).
 
     output_ids: the tokens it generated before (after a preemption; the logits processors count them).
@@ -35,14 +36,11 @@ class NewRequestData:
     output_ids: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledChunk:
+class ScheduledChunk(NamedTuple):
     """One request's part of a model call: positions [start, start + count) of its tokens.
 
     input_ids [count]: the tokens at those positions as the host knows them, drafts last (a device
     input's first is a placeholder: the slot's last sample, still on the device, is used).
-    block_ids [blocks]: the request's block table, every block it holds (a read-only copy); the
-    chunk reaches the first `layout.blocks_needed(start + count, ...)` of them.
     prompt_targets: with prompt logprobs, the prompt token after each position of the chunk (the
     ones the prompt has), else ().
     """
@@ -54,7 +52,6 @@ class ScheduledChunk:
     samples: bool  # the chunk reaches the last known token: sample the next one
     device_input: bool
     input_ids: tuple[int, ...]
-    block_ids: np.ndarray
     counter: int  # tokens generated before this chunk's draw (the draw's index)
     num_drafts: int = 0  # speculative drafts at the end of input_ids, verified by the call
     wants_prompt_logprobs: bool = False
@@ -62,15 +59,18 @@ class ScheduledChunk:
     admitted: bool = False  # the request's first chunk since it was admitted (its slot is new)
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduledCall:
+class ScheduledCall(NamedTuple):
     """One model call of a step, as the scheduler hands it to the runner (a step has up to three: its
     prefill chunks, its prompt-logprobs chunks, its decode rows).
 
+    block_tables [chunks, blocks]: row i is chunk i's request's block table, every block it holds
+    (a read-only copy; entries past its blocks are left over, and no query reaches them); chunk i
+    reaches the first `layout.blocks_needed(start + count, block_size, dcp)` of them.
     greedy: sample every chunk by argmax and report no logprobs (a draft model's proposals).
     """
 
     chunks: tuple[ScheduledChunk, ...]
+    block_tables: np.ndarray
     new_requests: tuple[NewRequestData, ...] = ()
     finished_request_ids: frozenset[str] = frozenset()
     greedy: bool = False

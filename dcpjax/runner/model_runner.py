@@ -202,7 +202,7 @@ class ModelRunner:
         """The scheduler's message for one call, packed on the host (`CallBuilder.prepare`): one call,
         or a packed prefill split in several. Learns its new requests and forgets its finished ones first."""
         self.requests.update(call)
-        return self.calls.prepare(call.chunks, self.requests, call.greedy) if call.chunks else []
+        return self.calls.prepare(call, self.requests) if call.chunks else []
 
     def launch(self, call: PreparedCall) -> StepResult:
         """Dispatch the call (returns at once; the device runs it) and start copying its output home.
