@@ -18,7 +18,7 @@ COMMANDS = {
     "generate": ("dcpjax.entrypoints.generate", "generate from prompts (and compare with DCP 1): the offline LLM"),
     "serve": ("dcpjax.serve.__main__", "an OpenAI-compatible HTTP server (vLLM's flags)"),
     "bench": ("dcpjax.bench.__main__", "benchmarks: offline throughput, a running server, DCP 1 vs DCP k"),
-    "plan": ("dcpjax.plan.__main__",
+    "plan": ("dcpjax.plan.command",
              "the memory plan of a deployment file, or every DCP size of --model compared (nothing runs)"),
     "demo": ("dcpjax.demo.__main__",
              "one layer's DCP decode attention at DCP 1/2/4/8 against no DCP, on fake CPU devices"),

@@ -127,7 +127,8 @@ class ScheduledRow:
 
     @property
     def input_ids(self) -> list[int]:
-        """The chunk's tokens as the host knows them (a device input's first is a placeholder)."""
+        """The chunk's tokens as the host knows them, drafts last (none for a device input: its token
+        is still on the device)."""
         known = self.seq.token_ids[self.start : self.start + self.count - len(self.drafts)]
         return known + self.drafts
 
@@ -143,8 +144,7 @@ class ScheduledRow:
 
 def new_request_data(seq: Sequence) -> NewRequestData:
     """What the runner keeps of `seq` from its admission on."""
-    return NewRequestData(seq.request_id, seq.params, seq.seed, seq.num_prompt_tokens, seq.logits_spec,
-                          tuple(seq.output_ids))
+    return NewRequestData(seq.request_id, seq.params, seq.seed, seq.logits_spec, tuple(seq.output_ids))
 
 
 def scheduled_call(rows: Seq[ScheduledRow], block_tables: np.ndarray, *, greedy: bool = False,

@@ -60,7 +60,7 @@ def test_a_step_shape_first_seen_after_ready_is_logged_and_counted(caplog):
     llm = LLM("tiny-llama", max_model_len=64, kv_cache_memory_bytes=1 << 16)
     greedy = SamplingParams(max_tokens=3, temperature=0)
     llm.generate("warm up", greedy)
-    llm.runner.mark_ready()
+    llm.mark_ready()
     llm.runner.precompiled = True  # as after a precompile: a compile now is one that escaped it
     with caplog.at_level(logging.WARNING, logger="dcpjax.runner.model_runner"):
         llm.generate("warm up", greedy)  # the same shapes: nothing new

@@ -9,7 +9,7 @@ import pytest
 
 from dcpjax.entrypoints import cli
 from dcpjax.models.config import ModelConfig
-from dcpjax.plan import __main__ as plan
+from dcpjax.plan import command as plan
 from dcpjax.plan import planner
 from dcpjax.plan.deployment import weight_bytes_per_device
 from dcpjax.sharding.config import ParallelConfig

@@ -17,7 +17,7 @@ import dcpjax
 from dcpjax.entrypoints import cli
 from dcpjax.kernels import KVPools, LinearState
 from dcpjax.models.config import TINY_MODELS, ModelConfig
-from dcpjax.plan import __main__ as plan
+from dcpjax.plan import command as plan
 from dcpjax.plan import planner
 from dcpjax.plan.deployment import Deployment, memory_plan
 from dcpjax.sharding.config import ParallelConfig

@@ -128,7 +128,7 @@ def _parse(module: str, argv: list[str]):
 
         return bench.parse_args(argv)
     if module == "dcpjax.plan":
-        from dcpjax.plan import __main__ as plan
+        from dcpjax.plan import command as plan
 
         return plan.build_parser().parse_args(argv)
     if module == "dcpjax.demo":

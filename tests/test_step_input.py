@@ -67,7 +67,7 @@ def test_the_runner_keeps_requests_by_id_from_the_schedulers_messages():
     """New requests are learnt, finished ones forgotten first (an id may come back as a new request),
     and a chunk of a request the runner was never told of is a clear error."""
     states = RequestStates()
-    new = lambda rid, temperature: NewRequestData(rid, SamplingParams(temperature=temperature), 3, 4)
+    new = lambda rid, temperature: NewRequestData(rid, SamplingParams(temperature=temperature), 3)
     states.update(ScheduledCall((), np.zeros((0, 0), np.int32), (new("a", 0.5), new("b", 0.0))))
     assert len(states) == 2
     np.testing.assert_array_equal(states["a"].values, step_input.request_values(SamplingParams(temperature=0.5), 3,

@@ -46,7 +46,7 @@ class InFlight(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class EngineStats:
-    """A snapshot of the engine's counters (`Engine.stats`)."""
+    """The engine's counters (`Engine.stats`): numbers as of the call, the two stats objects live."""
 
     num_running: int
     num_waiting: int
@@ -144,7 +144,7 @@ class Engine:
             self.spec_stats.reset()
 
     def stats(self) -> EngineStats:
-        """The counters the server's metrics and the benchmarks read, in one snapshot."""
+        """The counters the server's metrics and the benchmarks read, in one object."""
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            kv_usage=self.scheduler.kv_usage, num_preemptions=self.scheduler.num_preemptions,
                            prefix_cache=self.scheduler.prefix_cache_stats,

@@ -154,14 +154,6 @@ class Scheduler:
         return self.allocator.num_cached
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.allocator.num_free
-
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use."""
         return 1.0 - self.allocator.num_free / self.allocator.num_blocks
@@ -267,8 +259,9 @@ class Scheduler:
     def runner_call(self, rows: list[ScheduledRow]) -> ScheduledCall:
         """One call's rows as the runner's message (`sequence.scheduled_call`), carrying the ids of the
         requests finished since the last message (the runner forgets them first)."""
-        finished, self._finished_ids = self._finished_ids, []
-        return scheduled_call(rows, self.block_tables, finished_request_ids=finished)
+        call = scheduled_call(rows, self.block_tables, finished_request_ids=self._finished_ids)
+        self._finished_ids = []  # delivered (cleared only once the message exists)
+        return call
 
     def _schedule_running(self, budget: int) -> tuple[list[ScheduledRow], int, int]:
         """(rows, budget left, preemptions) for the running sequences, oldest first: a sequence

@@ -31,7 +31,6 @@ class NewRequestData(NamedTuple):
     request_id: str
     params: SamplingParams
     seed: int  # the request's seed, or one drawn from the LLM's seed
-    num_prompt_tokens: int
     logits_spec: LogitsSpec | None = None  # its penalties, logit_bias, bad words, ... (None: none)
     output_ids: tuple[int, ...] = ()
 
@@ -39,8 +38,8 @@ class NewRequestData(NamedTuple):
 class ScheduledChunk(NamedTuple):
     """One request's part of a model call: positions [start, start + count) of its tokens.
 
-    input_ids [count]: the tokens at those positions as the host knows them, drafts last (a device
-    input's first is a placeholder: the slot's last sample, still on the device, is used).
+    input_ids [count]: the tokens at those positions, drafts last; () for a device input (its one
+    token is the slot's last sample, still on the device, which the host has not read).
     prompt_targets: with prompt logprobs, the prompt token after each position of the chunk (the
     ones the prompt has), else ().
     """

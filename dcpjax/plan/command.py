@@ -1,0 +1,181 @@
+"""Memory plan of a deployment: weights and KV cache per device, and the KV capacity; or, with
+--model, every DCP size of a model at a TP with its traffic, a roofline and a recommendation.
+
+    python -m dcpjax.plan configs/qwen3-235b-a22b-tp8-dcp2.json [...]
+    python -m dcpjax.plan --model FOLDER_OR_CONFIG -tp 8 --device h200 --interconnect nvlink \\
+        --input-len 32768 --output-len 1024 --concurrency 64 [--json]
+
+A deployment file names a model (its Hugging Face config.json fields), the
+parallel configuration, and the device (memory in bytes, utilisation). The plan
+is computed by the library from the model it would build: every parameter's
+per-device shard from its logical axes, and the KV bytes per block from the same
+layout the runner allocates. Nothing is typed in. Given to --model, a deployment
+file's tensor_parallel_size, weight_dtype, kv_cache_dtype, block_size, device memory
+and memory_utilization are the defaults; a flag on the command line wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from dcpjax.entrypoints import cli
+from dcpjax.loader.model_source import load_model_config, resolve
+from dcpjax.models.config import ModelConfig
+from dcpjax.models.registry import layout_problems
+from dcpjax.plan import planner
+from dcpjax.plan.deployment import (
+    DTYPES,
+    GB,
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    check_deployment,
+    deployment_model,
+    deployment_parallel,
+    kv_dtype,
+    load_json,
+    markdown_rows,
+    weight_bytes_per_device,
+)
+from dcpjax.sharding.config import ParallelConfig
+
+DEFAULT_TP, DEFAULT_DEVICE = 8, "h200"
+
+
+def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
+    """--model's config, and the settings its deployment file sets ({} for any other model): of
+    tensor_parallel_size, weight_dtype, kv_cache_dtype, block_size, memory_gb, memory_utilization."""
+    kind, path = resolve(name)
+    data = load_json(path) if kind == "json" else None
+    if kind != "json" or isinstance(data, dict) and "architectures" in data:  # a model's own config
+        try:
+            return load_model_config(name), {}
+        except KeyError as err:
+            raise ValueError(f"{name}: the config has no {err.args[0]!r} field") from None
+    data = check_deployment(data, path, required=("model",))
+    defaults = {key: data[key] for key in ("weight_dtype", "kv_cache_dtype", "block_size", "memory_utilization")
+                if key in data}
+    if "parallel" in data:
+        defaults["tensor_parallel_size"] = deployment_parallel(data, path).tp
+    if "device_memory_bytes" in data:
+        defaults["memory_gb"] = data["device_memory_bytes"] / GB
+    return deployment_model(data, path), defaults
+
+
+def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict) -> list[dict]:
+    """`planner.plan_size` of every DCP size (each divisor of `tp`); `setup`: its other arguments."""
+    rows = []
+    for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
+        pc = ParallelConfig(tp, dcp)
+        problems = layout_problems(cfg, pc)
+        weights = 0 if problems else weight_bytes_per_device(cfg, pc, weight_dtype)
+        rows.append(planner.plan_size(cfg, pc, weight_bytes=weights, problems=problems, **setup))
+    return rows
+
+
+def _setting(args: argparse.Namespace, file: dict, key: str, default: object) -> object:
+    """The flag if given, else the deployment file's value, else `default`."""
+    flag = getattr(args, key)
+    return flag if flag is not None else file.get(key, default)
+
+
+def _from_file(args: argparse.Namespace, file: dict) -> list[str]:
+    """The deployment file's settings no flag overrode (its memory: neither --memory-gb nor --device)."""
+    overridden = {k: getattr(args, k, None) is not None for k in file} | {
+        "memory_gb": args.memory_gb is not None or args.device is not None}
+    return sorted(k for k in file if not overridden[k])
+
+
+def plan_model(args: argparse.Namespace) -> dict:
+    """Every DCP size of --model at its TP, the recommendation, and what would fit if nothing does."""
+    try:
+        cfg, file = model_and_defaults(args.model)
+    except ValueError as err:
+        raise ValueError(f"--model: {err}") from None
+    tp = _setting(args, file, "tensor_parallel_size", DEFAULT_TP)
+    weight_dtype = _setting(args, file, "weight_dtype", args.dtype)
+    kv_name = _setting(args, file, "kv_cache_dtype", "bfloat16")
+    device = planner.DEVICES[args.device or DEFAULT_DEVICE]
+    memory = args.memory_gb or (file.get("memory_gb") if args.device is None else None)  # --device: its preset
+    device = dataclasses.replace(device, memory_gb=memory or device.memory_gb,
+                                 hbm_tbps=args.hbm_tbps or device.hbm_tbps)
+    link = planner.LINKS[args.interconnect or device.link]
+    link = dataclasses.replace(link, gbps=args.link_gbps or link.gbps,
+                               latency_us=args.link_latency_us or link.latency_us)
+    workload = planner.Workload(args.input_len, args.output_len, args.concurrency)
+    setup = dict(device=device, link=link, workload=workload, kv_dtype=kv_dtype(kv_name),
+                 block_size=_setting(args, file, "block_size", 16), q_bytes=jnp.dtype(args.dtype).itemsize,
+                 utilization=_setting(args, file, "memory_utilization", 0.9))
+    rows = plan_rows(cfg, tp, weight_dtype, setup)
+    choice, reasons = planner.recommend(cfg, rows, link, workload)
+    alternatives = [] if choice is not None else planner.what_would_fit(
+        cfg, rows, weight_dtype=weight_dtype, workload=workload,
+        rows_at=lambda t, w: plan_rows(cfg, t, w, setup))
+    chosen = next((r for r in rows if r["dcp"] == choice), None)
+    return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
+            "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
+            "from_file": _from_file(args, file),
+            "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
+            "workload": dataclasses.asdict(workload), "sizes": rows, "recommended_dcp": choice,
+            "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
+            "what_would_fit": alternatives}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dcpjax.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("configs", nargs="*", help="deployment JSON files (see configs/)")
+    p.add_argument("--model", help="a Hugging Face folder, a config.json, a deployment file or a built-in model: "
+                                   "plan every DCP size (default: none, plan the deployment files given)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int,
+                   help=f"devices of one replica (default: a deployment file's, else {DEFAULT_TP})")
+    p.add_argument("--device", choices=sorted(planner.DEVICES),
+                   help=f"device preset (default: {DEFAULT_DEVICE}, with a deployment file's memory)")
+    p.add_argument("--memory-gb", type=float, help="device memory (default: a deployment file's, else the preset's)")
+    p.add_argument("--memory-utilization", type=float,
+                   help="share of device memory for weights and KV (default: a deployment file's, else 0.9)")
+    p.add_argument("--hbm-tbps", type=float, help="memory bandwidth in TB/s (default: the preset's)")
+    links = ", ".join(f"{name} {d.link}" for name, d in sorted(planner.DEVICES.items()))
+    p.add_argument("--interconnect", choices=sorted(planner.LINKS),
+                   help=f"link preset (default: the device's: {links})")
+    p.add_argument("--link-gbps", type=float, help="GB/s a device receives (default: the preset's)")
+    p.add_argument("--link-latency-us", type=float, help="us per collective (default: the preset's)")
+    p.add_argument("--input-len", type=int, default=8192, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--output-len", type=int, default=512, help="generated tokens per sequence (default: %(default)s)")
+    p.add_argument("--concurrency", type=int, default=32, help="sequences decoded at once (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
+                   help="activations, queries on the wire (default: %(default)s)")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES,
+                   help="weights as the checkpoint ships them (default: a deployment file's, else --dtype)")
+    p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
+                   help="KV cache entries (default: a deployment file's, else bfloat16)")
+    p.add_argument("--block-size", type=int, help="KV tokens per block (default: a deployment file's, else 16)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
+    cli.add_debug_flag(p)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.model is None and not args.configs:
+        p.error("give deployment files, or --model to plan every DCP size")
+    for name in ("tensor_parallel_size", "input_len", "output_len", "concurrency", "block_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.memory_utilization is not None and not 0 < args.memory_utilization <= 1:
+        p.error("--memory-utilization must be in (0, 1]")
+    if args.configs:
+        print("\n".join(markdown_rows(args.configs)))
+    if args.model is not None:
+        plan = plan_model(args)
+        print(json.dumps(plan, indent=1, default=str) if args.json else planner.plan_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli.run(main))
