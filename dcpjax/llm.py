@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 import jax
@@ -16,13 +15,11 @@ from dcpjax.engine.core import Engine, Sequence
 from dcpjax.engine.requests import RequestBuilder, request_output
 from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
 from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
-from dcpjax.loader.checkpoint import restore_state, save_state
-from dcpjax.loader.model_source import generation_defaults, model_source
-from dcpjax.loader.rules import ignored_checkpoint_tensor, model_rules
-from dcpjax.loader.weights import load_state
+from dcpjax.loader.checkpoint import save_state
+from dcpjax.loader.model_loader import LoadedModel, load_model
+from dcpjax.loader.model_source import ModelSource, generation_defaults, model_source
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.gated_delta import CHUNK as GATED_DELTA_CHUNK
-from dcpjax.models.registry import build_model
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import precompile
 from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
@@ -34,7 +31,7 @@ from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import make_mesh
 from dcpjax.spec_decode.config import SpeculativeConfig
-from dcpjax.spec_decode.draft_model import DraftModel
+from dcpjax.spec_decode.draft_model import DraftModel, load_draft_model
 from dcpjax.spec_decode.ngram import NgramProposer
 from dcpjax.text.chat_template import ChatTemplate, text_content
 from dcpjax.text.tokenizer import eos_token_ids
@@ -107,6 +104,13 @@ class LLM:
         on GPU / TPU, True on CPU, where a shape takes seconds and a configuration has hundreds.
       trust_remote_code: accepted for vLLM's command lines; dcpjax runs no code from model folders
         (its own implementations of the supported architectures).
+      quantization: how weights are held on the devices (vLLM's name). None / "auto": as the
+        checkpoint holds them (an fp8 checkpoint's weights fp8 with their block scales, a GGUF
+        file's types as int8 codes with their scales, except on CPU, where a GGUF is dequantized
+        at load: faster there); "fp8": fp8 block-scaled (an unquantized checkpoint quantized at
+        load, in 128 x 128 blocks); "gguf": a GGUF file's own types;
+        "none": every weight dequantized at load into `dtype`. Held weights are dequantized in
+        `dtype` where they are used (weight-only quantization); see docs/quantization.md.
     """
 
     def __init__(
@@ -138,6 +142,7 @@ class LLM:
         compilation_cache_dir: str | None = "auto",
         enforce_eager: bool | None = None,
         trust_remote_code: bool = False,
+        quantization: str | None = None,
     ):
         del trust_remote_code  # accepted for vLLM's command lines (see the docstring)
         parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
@@ -151,7 +156,7 @@ class LLM:
             orbax_checkpoint=orbax_checkpoint, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig.from_dict(speculative_config), load_format=load_format,
             generation_config=generation_config, max_logprobs=max_logprobs,
-            compilation_cache_dir=compilation_cache_dir, enforce_eager=enforce_eager)
+            compilation_cache_dir=compilation_cache_dir, enforce_eager=enforce_eager, quantization=quantization)
         self._load(config, devices)
 
     @classmethod
@@ -185,8 +190,13 @@ class LLM:
             raise ValueError("speculative_config: speculative decoding is not supported for "
                              f"{source.config.architecture} (a hybrid model): its linear-attention layers' state "
                              "cannot yet roll back rejected drafts; leave speculative_config unset")
-        draft = self._load_draft(spec) if spec is not None and spec.method == "draft_model" else None
-        graphdef, state = self._load_weights(self.model_config, source.weights, config.orbax_checkpoint)
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = load_draft_model(spec, self.model_config, self.max_model_len, self.parallel_config, self.mesh,
+                                     self.dtype, self.seed)
+        self.model_weights = self._load_weights(self.model_config, source, config.orbax_checkpoint,
+                                                config.quantization)
+        graphdef, state = self.model_weights.graphdef, self.model_weights.state
         kv = self._size_kv_cache(cache_dtype, draft)
         self.scheduler_config = config.scheduler_config(self.max_model_len)
         if self.model_config.is_hybrid and self.scheduler_config.enable_prefix_caching:
@@ -241,39 +251,12 @@ class LLM:
         return draft.proposer(k, self.parallel_config, self.mesh, kv, self.shape_grid, self.config.attention_backend,
                               self.config.max_num_seqs)
 
-    def _load_draft(self, spec: SpeculativeConfig) -> DraftModel:
-        """The draft model of speculative decoding: same vocabulary, room for max_model_len."""
-        spec.check_draft_tp(self.parallel_config.tp)
-        model = spec.model
-        draft_source = model_source(model, self.parallel_config, self.seed, with_tokenizer=False)
-        cfg, weights = draft_source.config, draft_source.weights
-        target = self.model_config
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative_config model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the "
-                             f"target {target.vocab_size}: a draft model must share the target's tokenizer")
-        if cfg.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"speculative_config model {model!r} handles {cfg.max_position_embeddings} positions, "
-                             f"fewer than max_model_len={self.max_model_len}; lower max_model_len")
-        cfg.check_max_model_len(self.max_model_len)
-        if cfg.is_hybrid:  # its state would run on past rejected drafts, and it has no state slots
-            raise ValueError(f"speculative_config model {model!r} is a hybrid ({cfg.architecture}): a draft model "
-                             "must keep only a KV cache; pick a Llama / Qwen / DeepSeek-family draft")
-        try:
-            graphdef, state = self._load_weights(cfg, weights, None)
-        except ValueError as error:
-            raise ValueError(f"speculative_config model {model!r}: {error}") from error
-        return DraftModel(cfg, graphdef, state)
-
-    def _load_weights(self, cfg: ModelConfig, weights: Callable[[], object], orbax_checkpoint: str | None):
-        """A model's graph and its sharded state: from the orbax checkpoint, else from `weights()`."""
-        pc = self.parallel_config
-        graphdef, state = build_model(cfg, pc, self.dtype)  # also checks the TP/DCP rules for this model
-        if orbax_checkpoint is not None:
-            state = restore_state(state, cfg, pc, self.mesh, orbax_checkpoint)
-        else:
-            state = load_state(state, model_rules(cfg, pc), weights(), self.mesh,
-                               ignored=lambda name: ignored_checkpoint_tensor(cfg, name))
-        return graphdef, state
+    def _load_weights(self, cfg: ModelConfig, source: ModelSource, orbax_checkpoint: str | None,
+                      quantization: str | None) -> LoadedModel:
+        """A model's graph and its sharded state (`loader.model_loader.load_model`)."""
+        return load_model(cfg, self.parallel_config, self.mesh, self.dtype, source.weights, quantization=quantization,
+                          is_gguf=source.is_gguf, checkpoint=source.checkpoint_quantization,
+                          orbax_checkpoint=orbax_checkpoint)
 
     def _size_kv_cache(self, cache_dtype, draft=None):
         """The KV cache layout for the configured bytes per device (`runner.kv_budget.size_kv_cache`);
@@ -313,6 +296,9 @@ class LLM:
     def save_checkpoint(self, path: str) -> None:
         """Write the loaded weights as an orbax checkpoint, restorable onto any mesh
         (`LLM(model, ..., orbax_checkpoint=path)`)."""
+        if self.model_weights.held:
+            raise ValueError("save_checkpoint writes weights in the model dtype; this model holds quantized weights: "
+                             "load it with quantization='none' to save it, or load the quantized checkpoint itself")
         save_state(self.runner.state, self.model_config, self.parallel_config, path)
 
     # -- generation --------------------------------------------------------------------------

@@ -17,6 +17,7 @@ LAYERS = [
     "outputs",  # RequestOutput, CompletionOutput, Logprob: plain data
     "kernels",  # decode attention returning LSE (Pallas, reference); the float64 oracles
     "sharding",  # the mesh, ParallelConfig, the KV layout, LSE-merge collectives, the public op
+    "quantization",  # block formats, their numpy codecs, the weight held quantized (dequantized where used)
     "models",  # model families, their configs and layers
     "text",  # tokenizers and chat templates
     "sampling",  # SamplingParams and the on-device sampler

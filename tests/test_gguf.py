@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 import dcpjax
 from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import ModelConfig
+from dcpjax.quantization.gguf_blocks import HELD_TYPES
 from dcpjax.sharding.config import ParallelConfig
 
 Q = gguf.GGMLQuantizationType
@@ -143,8 +144,11 @@ def run(model, **kw):
     ("llama", Q.F16, True),
 ])
 def test_gguf_decodes_as_the_folder_it_was_written_from(tmp_path, arch, qtype, tied):
+    """quantization="gguf": the quantized types held as int8 codes + block scales on the devices
+    (exact against the folder's dequantized float weights; Q/K rows un-permuted part by part)."""
     path, folder = write_pair(tmp_path, arch, qtype, tied)
-    llm, got = run(path)
+    llm, got = run(path, quantization="gguf")
+    assert bool(llm.model_weights.held) == (qtype in HELD_TYPES)
     _, want = run(folder)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids

@@ -64,11 +64,23 @@ def _case(name: str, case: tuple):
     return (name, *case)
 
 
+# fp8 block-scaled checkpoints (tests/fixtures/make_fp8_fixtures.py: written the way DeepSeek-V3 ships, blocks
+# of [16, 24] / [24, 16] that divide no dimension), held fp8 on the devices, against transformers on the
+# dequantized weights; TP 8 splits blocks. Each on both Pythons at TP 1 and one DCP layout, the rest newest-jax only.
+FP8_CASES = {
+    "deepseek-v3-fp8": [MLA_CASES[0], (8, 8, 2, "a2a", "reference"), (8, 4, 1, "ag_rs", "pallas"),
+                        (4, 2, 2, "a2a", "pallas")],
+    "qwen3-moe-fp8": [CASES[0], (8, 4, 2, "a2a", "reference"), (4, 2, 1, "ag_rs", "pallas")],
+}
+NEWEST_JAX_ONLY |= {"deepseek-v3-fp8": {(8, 4, 1, "ag_rs", "pallas"), (4, 2, 2, "a2a", "pallas")},
+                    "qwen3-moe-fp8": {(4, 2, 1, "ag_rs", "pallas")}}
+
 PARAMS = (
     [_case(name, case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
     + [_case("qwen3-next", case) for case in HYBRID_CASES]
     + [("qwen2", *case) for case in (CASES[0], CASES[6], CASES[7])]  # q/k/v bias, linear RoPE, tied embeddings
     + [("deepseek-v3", *case) for case in MLA_CASES]
+    + [_case(name, case) for name, cases in FP8_CASES.items() for case in cases]
 )
 
 

@@ -18,7 +18,9 @@ import openai
 import pytest
 
 import dcpjax
+from dcpjax.loader.model_loader import planned_weight_bytes
 from dcpjax.loader.model_source import builtin_gguf_path, load_model_config
+from dcpjax.sharding.config import ParallelConfig
 
 NAME = "smollm2-135m-instruct"
 HERE = pathlib.Path(__file__).parent
@@ -149,6 +151,28 @@ def test_chat_reply(llm):
     template = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[-1].content }}"
     with_tools = llm.chat(chat["messages"], dcpjax.SamplingParams(max_tokens=1), tools=[tool], chat_template=template)
     assert with_tools[0].prompt == "[get_weather]" + chat["messages"][-1]["content"]
+
+
+# -- held quantized: int8 codes and block scales on the devices ----------------------------------
+def test_held_quantized_at_under_a_third_of_float32(gguf_path):
+    """quantization="gguf": the Q4_1 / Q8_0 tensors held as int8 codes + float16 scales and
+    minimums, at most 0.35x the 538 MB the weights take in float32 (TP 1, one device holds all)."""
+    float32 = planned_weight_bytes(load_model_config(NAME), ParallelConfig(1, 1), "float32")
+    assert float32 == pytest.approx(538.1e6, rel=1e-3)
+    llm = dcpjax.LLM(NAME, quantization="gguf", max_model_len=1024, max_num_seqs=8, kv_cache_memory_bytes=KV_BYTES)
+    assert llm.weight_bytes_per_device <= 0.35 * float32
+    assert llm.weight_bytes_per_device == llm.model_weights.weight_bytes_per_device
+    # on CPU, "auto" dequantizes a GGUF at load (held weights are materialized in float at every use there)
+    assert dcpjax.LLM(NAME, max_model_len=1024, kv_cache_memory_bytes=KV_BYTES).weight_bytes_per_device == float32
+
+
+@pytest.mark.e2e
+def test_held_quantized_matches_transformers(gguf_path):
+    llm = dcpjax.LLM(NAME, tensor_parallel_size=3, quantization="gguf", max_model_len=1024, max_num_seqs=8,
+                     max_num_batched_tokens=512, kv_cache_memory_bytes=KV_BYTES)
+    assert llm.model_weights.held
+    test_greedy_tokens_and_logprobs(llm)
+    test_prompt_logprobs(llm)
 
 
 # -- 9 fake devices, in a process of its own: every DCP layout ----------------------------------------

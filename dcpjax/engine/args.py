@@ -20,6 +20,7 @@ from typing import Any
 from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.loader.model_source import BUILTIN_NAMES, LOAD_FORMATS
+from dcpjax.loader.quantized_source import QUANTIZATIONS
 from dcpjax.sampling import MAX_LOGPROBS
 from dcpjax.sharding.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.spec_decode.config import SpeculativeConfig
@@ -159,6 +160,11 @@ class EngineArgs:
                                       kind=bool, default_help="on CPU only")
     trust_remote_code: bool = _arg(False, "accepted for vLLM's command lines: dcpjax runs no code from model "
                                    "folders (its own implementations of the supported architectures)", kind=bool)
+    quantization: str | None = _arg(None, "how weights are held on the devices: 'fp8' (fp8 block-scaled; an "
+                                    "unquantized checkpoint quantized at load), 'gguf' (a GGUF file's own types), "
+                                    "'none' (all dequantized into --dtype)", kind=str, aliases=("-q",),
+                                    choices=QUANTIZATIONS,
+                                    default_help="as the checkpoint holds them; on CPU a GGUF is dequantized")
     num_cpu_devices: int = _arg(0, "fake this many CPU devices (0: real devices)", check=_at_least(0), llm=False)
 
     def __post_init__(self) -> None:

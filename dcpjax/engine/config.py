@@ -9,6 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from dcpjax.kernels import check_attention_backend
+from dcpjax.loader.quantized_source import QUANTIZATIONS
 from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.spec_decode.config import SpeculativeConfig
@@ -36,6 +37,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_max_num_batched_tokens(self.max_num_batched_tokens)
+
+
+def check_quantization(quantization: str | None) -> None:
+    """One of `QUANTIZATIONS` (or None: "auto"), before anything is loaded."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)} (or None: as the checkpoint holds), "
+                         f"got {quantization!r}")
 
 
 def check_max_num_batched_tokens(tokens: int) -> None:
@@ -80,6 +88,7 @@ class EngineConfig:
     max_logprobs: int
     compilation_cache_dir: str | None  # "auto": compile_watch.default_compilation_cache_dir(); None or "": off
     enforce_eager: bool | None  # skip the start-up precompile (`dcpjax.runner.precompile`); None: on CPU only
+    quantization: str | None = None  # how weights are held (`loader.quantized_source.QUANTIZATIONS`); None: auto
 
     def skips_precompile(self, platform: str) -> bool:
         """enforce_eager, or on CPU when unset: XLA:CPU builds a step shape in seconds and maps ~350
@@ -90,6 +99,7 @@ class EngineConfig:
         check_attention_backend(self.attention_backend)
         layout.check_block_size(self.block_size, self.parallel.interleave)
         check_max_num_batched_tokens(self.max_num_batched_tokens)
+        check_quantization(self.quantization)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's part, once the model fixed max_model_len."""

@@ -27,8 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from dcpjax.loader.tensor_source import TensorSource
+from dcpjax.loader.tensor_source import TensorSource, slice_ranges
 from dcpjax.models.registry import FAMILIES, GGUF_ARCHITECTURES
+from dcpjax.quantization import gguf_blocks
+from dcpjax.quantization.formats import BlockFormat
 
 GGUF_INSTALL = "pip install gguf"
 
@@ -191,8 +193,10 @@ def _float32(value) -> float:
 
 class GGUFSource(TensorSource):
     """The tensors of a GGUF file under Hugging Face names and shapes ([out, in] for a Linear),
-    dequantized to float32 on read. A tensor dcpjax has no name for keeps its llama.cpp name,
-    so the checkpoint check reports it as unexpected instead of dropping it."""
+    dequantized to float32 on read, or, for the types `gguf_blocks.HELD_TYPES` holds, read part by
+    part (`read_part`: int8 codes, per-block scale and offset) to be held quantized. A tensor dcpjax
+    has no name for keeps its llama.cpp name, so the checkpoint check reports it as unexpected
+    instead of dropping it."""
 
     def __init__(self, path: str | pathlib.Path):
         file = open_gguf(path)
@@ -208,6 +212,7 @@ class GGUFSource(TensorSource):
                     if f".self_attn.{proj}." in name:
                         self.row_order[name] = _unpermute_rows(int(tensor.shape[-1]), n)
         self._last: tuple[str, np.ndarray] | None = None  # the last whole tensor: devices ask for it in turn
+        self._last_parts: tuple[str, tuple] | None = None  # the same for the parts of a held one
 
     def names(self) -> set[str]:
         return set(self.tensors)
@@ -226,6 +231,34 @@ class GGUFSource(TensorSource):
         else:
             values = self._dequantize(tensor, tensor.data[rows])
         return values[(slice(None), *index[1:])]
+
+    def format(self, name: str) -> BlockFormat | None:
+        tensor = self.tensors.get(name)
+        if tensor is None or len(tensor.shape) != 2 or tensor.tensor_type not in gguf_blocks.HELD_TYPES:
+            return None
+        return gguf_blocks.held_format(tensor.tensor_type)
+
+    def read_part(self, name: str, index: tuple[slice, ...], part: str) -> np.ndarray:
+        fmt = self.format(name)
+        if fmt is None or (part == "offset" and not fmt.has_offset):
+            return super().read_part(name, index, part)
+        values, scale, offset = self._parts(name)
+        rows, cols = slice_ranges(index, self.shape(name))
+        if part == "values":
+            return values[rows.start:rows.stop, cols.start:cols.stop]
+        per_block = scale if part == "scale" else offset
+        groups = np.arange(cols.start, cols.stop) // fmt.block[1]
+        return per_block[rows.start:rows.stop][:, groups].astype(np.float32)
+
+    def _parts(self, name: str) -> tuple:
+        """(values, scale, offset) of a whole held tensor, rows in Hugging Face order."""
+        if self._last_parts is None or self._last_parts[0] != name:
+            tensor = self.tensors[name]
+            parts = gguf_blocks.unpack(np.asarray(tensor.data), tensor.tensor_type, self.shape(name)[1])
+            if name in self.row_order:
+                parts = tuple(None if p is None else p[self.row_order[name]] for p in parts)
+            self._last_parts = (name, parts)
+        return self._last_parts[1]
 
     def _whole(self, name: str) -> np.ndarray:
         if self._last is None or self._last[0] != name:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dcpjax.loader.tensor_source import SafetensorsSource, TensorSource
 from dcpjax.loader.weights import random_checkpoint
 from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.quantization.formats import CheckpointQuantization
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.text.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -120,6 +121,9 @@ class ModelSource:
     tokenizer: object | None
     weights: Callable[[], TensorSource]
     folder: str | None = None  # a Hugging Face folder's path (where generation_config.json may be)
+    is_gguf: bool = False  # the weights are a GGUF file's (quantization="gguf" holds its types)
+    # what the weights hold: an fp8 checkpoint's quantization_config (random weights hold none)
+    checkpoint_quantization: CheckpointQuantization | None = None
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's names for the ones dcpjax reads
@@ -158,10 +162,12 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
         raise ValueError(f"model {model!r} is a JSON config without weights: pass a Hugging Face folder, a GGUF "
                          "file or a built-in model, or load_format='dummy' for random weights (configs/*.json are "
                          "for python -m dcpjax.plan)")
-    if weights is None or load_format == "dummy":
-        weights = lambda: random_checkpoint(cfg, pc, seed)
+    random = weights is None or load_format == "dummy"
+    if random:
+        weights = lambda: random_checkpoint(cfg, pc, seed)  # float: quantized at load as the model ships
     chosen = own_tokenizer() if own else load_tokenizer(tokenizer) if tokenizer is not None and with_tokenizer else None
-    return ModelSource(cfg, chosen, weights, path if kind == "hf" else None)
+    return ModelSource(cfg, chosen, weights, path if kind == "hf" else None, is_gguf=kind == "gguf" and not random,
+                       checkpoint_quantization=None if random else cfg.quantization)
 
 
 _KIND_NAMES = {"tiny": "a built-in tiny model", "hf": "a Hugging Face folder", "gguf": "a GGUF file",

@@ -10,8 +10,14 @@ import json
 import pathlib
 from collections.abc import Mapping
 
+import ml_dtypes
 import numpy as np
 
+from dcpjax.quantization.formats import BlockFormat
+
+QUANT_PARTS = ("values", "scale", "offset")
+# safetensors dtypes its numpy reader cannot give (fp8 checkpoints), as ml_dtypes' numpy dtypes
+_RAW_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 
 class TensorSource:
     """Read a named tensor, or a slice of it, as numpy (a `weight_rules.TensorReader`, plus the
@@ -24,7 +30,24 @@ class TensorSource:
         raise NotImplementedError
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
+        """The slice as float (a quantized tensor dequantized)."""
         raise NotImplementedError
+
+    def format(self, name: str) -> BlockFormat | None:
+        """How `name` is quantized in this source (None: it is float)."""
+        return None
+
+    def read_part(self, name: str, index: tuple[slice, ...], part: str) -> np.ndarray:
+        """A quantized tensor's `part` over the slice `index` of its checkpoint layout: "values" as
+        stored (float8_e4m3fn, int8), "scale" / "offset" the block scale (offset) of each element,
+        float32, same shape."""
+        raise ValueError(f"checkpoint tensor {name} is not quantized")
+
+
+def slice_ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
+    """Each axis of `index` (missing trailing axes: whole) as a range into `shape`."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    return [range(*s.indices(n)) for s, n in zip(index, shape)]
 
 
 class DictSource(TensorSource):
@@ -64,6 +87,8 @@ class SafetensorsSource(TensorSource):
             # safe_open handles have keys() but are not iterable
             weight_map = {name: f for f, h in self.handles.items() for name in h.keys()}  # noqa: SIM118
         self.weight_map = weight_map
+        self.folder = folder
+        self._headers: dict[pathlib.Path, tuple[int, dict]] = {}
 
     def names(self):
         return set(self.weight_map)
@@ -72,4 +97,21 @@ class SafetensorsSource(TensorSource):
         return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
 
     def read(self, name, index):
-        return np.asarray(self.handles[self.weight_map[name]].get_slice(name)[index])
+        part = self.handles[self.weight_map[name]].get_slice(name)
+        if part.get_dtype() in _RAW_DTYPES:  # dtypes safetensors' numpy reader lacks: mapped from the file
+            return self._raw(name)[index]
+        return np.asarray(part[index])
+
+    def _raw(self, name: str) -> np.ndarray:
+        """A tensor of the file memory-mapped (safetensors: an 8-byte header length, the JSON header,
+        then each tensor's bytes at its data_offsets)."""
+        path = self.folder / self.weight_map[name]
+        if path not in self._headers:
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + size, json.loads(f.read(size)))
+        start, header = self._headers[path]
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        data = np.memmap(path, np.uint8, "r", offset=start + begin, shape=(end - begin,))
+        return data.view(_RAW_DTYPES[entry["dtype"]]).reshape(entry["shape"])

@@ -16,6 +16,8 @@ import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from dcpjax.quantization.formats import CheckpointQuantization
+
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -112,6 +114,8 @@ class ModelConfig:
     norm_offset: float = 0.0
     shared_expert_intermediate_size: int = 0
     eos_token_id: tuple[int, ...] = ()
+    # config.json's quantization_config (an fp8 checkpoint), None for an unquantized one
+    quantization: CheckpointQuantization | None = None
 
     @property
     def use_mla(self) -> bool:
@@ -211,6 +215,7 @@ def _shared_fields(config: dict[str, Any]) -> dict[str, Any]:
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         eos_token_id=eos,
+        quantization=CheckpointQuantization.from_hf(config.get("quantization_config")),
     )
 
 

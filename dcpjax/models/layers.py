@@ -8,10 +8,15 @@ runner shards them by `ShardingRules` (`RULES`) and calls the modules inside
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from dcpjax.quantization.weight import take_rows
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 
@@ -22,12 +27,33 @@ from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 PADDABLE_AXES = ("ffw", "moe_ffw", "vocab")
 
 
+# Weights held quantized want each device's share of a padded axis in whole quantization groups
+# (`padding_multiple`): padding that is needed anyway then rounds each share up to a multiple of it.
+_PAD_MULTIPLE = contextvars.ContextVar("dcpjax_pad_multiple", default=1)
+
+
+@contextlib.contextmanager
+def padding_multiple(multiple: int) -> Iterator[None]:
+    """Parameters declared inside pad a paddable axis the mesh cannot split evenly so that each
+    device's share is a multiple of `multiple` (a quantization block: SmolLM2's FFW of 1536 at TP 9
+    becomes 9 x 192, not 9 x 171, so its 32-wide GGUF blocks stay whole on every device)."""
+    token = _PAD_MULTIPLE.set(multiple)
+    try:
+        yield
+    finally:
+        _PAD_MULTIPLE.reset(token)
+
+
 def padded_size(size: int, logical_axis: str | None, pc: ParallelConfig) -> int:
-    """`size` rounded up to a multiple of the shards of `logical_axis` (if it is paddable)."""
+    """`size` rounded up to a multiple of the shards of `logical_axis` (if it is paddable and the
+    shards do not divide it; see `padding_multiple`)."""
     if logical_axis not in PADDABLE_AXES:
         return size
     ways = RULES.ways(logical_axis, pc)
-    return -(-size // ways) * ways
+    if size % ways == 0:
+        return size
+    step = ways * _PAD_MULTIPLE.get()
+    return -(-size // step) * step
 
 
 def param(shape: tuple[int, ...], logical_axes: tuple[str | None, ...], dtype, init: str = "normal",
@@ -99,10 +125,10 @@ class VocabEmbedding(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens [...] int -> [..., hidden]: each device looks up the ids it holds, then psum."""
-        rows = self.weight[...].shape[0]
+        rows = self.weight.shape[0]
         local = tokens - jax.lax.axis_index(MODEL_AXES) * rows
         inside = (local >= 0) & (local < rows)
-        found = jnp.take(self.weight[...], jnp.clip(local, 0, rows - 1), axis=0)
+        found = take_rows(self.weight, jnp.clip(local, 0, rows - 1))  # the weight may be held quantized
         return reduce_model(jnp.where(inside[..., None], found, 0))
 
     def attend(self, x: jax.Array) -> jax.Array:

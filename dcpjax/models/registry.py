@@ -16,7 +16,7 @@ from flax import nnx
 from dcpjax.models import deepseek, llama, qwen3_next
 from dcpjax.models.config import ModelConfig, register_architectures
 from dcpjax.models.family import GGUFArchitecture, ModelFamily
-from dcpjax.models.layers import unsplittable_dims
+from dcpjax.models.layers import padding_multiple, unsplittable_dims
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import logical_spec
 
@@ -62,9 +62,11 @@ def family_of(architecture: str) -> ModelFamily:
     return _FAMILY_OF[architecture]
 
 
-def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def _abstract_model(cfg: ModelConfig, pc: ParallelConfig, dtype, pad_multiple: int = 1) -> tuple[nnx.GraphDef,
+                                                                                                   nnx.State]:
     model_class = family_of(cfg.architecture).model_class
-    return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
+    with padding_multiple(pad_multiple):
+        return nnx.split(nnx.eval_shape(lambda: model_class(cfg, pc, dtype)))
 
 
 def layout_problems(cfg: ModelConfig, pc: ParallelConfig, state: nnx.State | None = None) -> list[str]:
@@ -78,12 +80,13 @@ def layout_problems(cfg: ModelConfig, pc: ParallelConfig, state: nnx.State | Non
     return unsplittable_dims(state if state is not None else _abstract_model(cfg, pc, jnp.float32)[1], pc)
 
 
-def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype, pad_multiple: int = 1) -> tuple[nnx.GraphDef,
+                                                                                            nnx.State]:
     """The model's structure and its abstract (shape-only) parameters, checked against the mesh
     before any weight is read (ValueError names the rule, with the DCP sizes that would be
-    valid, or the dimension)."""
+    valid, or the dimension). `pad_multiple`: see `layers.padding_multiple`."""
     pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
-    graphdef, state = _abstract_model(cfg, pc, dtype)
+    graphdef, state = _abstract_model(cfg, pc, dtype, pad_multiple)
     problems = layout_problems(cfg, pc, state)
     if problems:
         raise ValueError(f"tensor_parallel_size={pc.tp}, decode_context_parallel_size={pc.dcp} cannot hold this "

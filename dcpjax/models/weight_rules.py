@@ -8,6 +8,7 @@ rearranged here, so the models see one layout. Families combine these through
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Protocol
 
@@ -26,23 +27,45 @@ def bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[tuple[int, 
     return [s.indices(n)[:2] for s, n in zip(index, shape)]
 
 
+# (rows, cols) of a checkpoint tensor's quantization block -> the dcpjax-layout group sizes it maps to
+Groups = Callable[[tuple[int, int]], tuple[int, ...]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Rule:
     """How one dcpjax parameter is read: the checkpoint tensors it comes from (name ->
-    shape) and `read(source, index, shape)`, the slice mapping."""
+    shape) and `read(source, index, shape)`, the slice mapping.
+
+    `groups`, for the rules a quantized checkpoint tensor can be held through: given its block
+    (rows, cols), the size along each dcpjax axis of groups of elements that all lie in one block
+    (so one scale serves each group); None: such a tensor is dequantized at load instead.
+    """
 
     tensors: dict[str, tuple[int, ...]]
     read: Callable[[TensorReader, tuple[slice, ...], tuple[int, ...]], np.ndarray]
+    groups: Groups | None = None
+
+
+def row_groups(block_rows: int, row_width: int, offset: int, width: int, repeats: int = 1) -> tuple[int, int]:
+    """Groups along (heads, head_dim) for rows laid out per head: head h's `width` rows start at
+    h * row_width + offset (each head repeated `repeats` times in the dcpjax layout). Whole heads
+    share a block when blocks hold whole heads; otherwise groups of the largest size that divides
+    the block, the row pitch and the offset (so no group crosses a block edge)."""
+    if block_rows % row_width == 0:
+        return repeats * (block_rows // row_width), width
+    return 1, math.gcd(block_rows, row_width, offset, width)
 
 
 def same(hf_name: str, hf_shape: tuple[int, ...]) -> Rule:
     """dcpjax and the checkpoint share the layout."""
-    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx))
+    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx),
+                (lambda block: tuple(block)) if len(hf_shape) == 2 else None)
 
 
 def transposed(hf_name: str, hf_shape: tuple[int, ...]) -> Rule:
     """dcpjax [in, out] <- torch Linear [out, in]."""
-    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx[::-1]).T)
+    return Rule({hf_name: hf_shape}, lambda src, idx, shape: src.read(hf_name, idx[::-1]).T,
+                lambda block: (block[1], block[0]))
 
 
 def stacked_experts(hf_names: list[str], hf_shape: tuple[int, int]) -> Rule:
@@ -52,7 +75,7 @@ def stacked_experts(hf_names: list[str], hf_shape: tuple[int, int]) -> Rule:
         (x0, x1), (i0, i1), (o0, o1) = bounds(idx, shape)
         return np.stack([src.read(hf_names[e], (slice(o0, o1), slice(i0, i1))).T for e in range(x0, x1)])
 
-    return Rule({name: hf_shape for name in hf_names}, read)
+    return Rule({name: hf_shape for name in hf_names}, read, lambda block: (1, block[1], block[0]))
 
 
 def head_rows(hf_name: str, heads: int, head_dim: int, repeats: int, hidden: int | None) -> Rule:
@@ -75,7 +98,10 @@ def head_rows(hf_name: str, heads: int, head_dim: int, repeats: int, hidden: int
         return block if hidden is None else np.moveaxis(block, 2, 0)
 
     hf_shape = (heads * head_dim,) if hidden is None else (heads * head_dim, hidden)
-    return Rule({hf_name: hf_shape}, read)
+    if hidden is None:
+        return Rule({hf_name: hf_shape}, read)
+    return Rule({hf_name: hf_shape}, read, lambda block: (block[1], *row_groups(block[0], head_dim, 0, head_dim,
+                                                                                   repeats)))
 
 
 def output_heads(hf_name: str, heads: int, head_dim: int, hidden: int) -> Rule:
@@ -86,7 +112,8 @@ def output_heads(hf_name: str, heads: int, head_dim: int, hidden: int) -> Rule:
         block = src.read(hf_name, (slice(e0, e1), slice(h0 * head_dim, h1 * head_dim)))
         return np.moveaxis(block.reshape(e1 - e0, h1 - h0, head_dim), 0, 2)[:, d0:d1]
 
-    return Rule({hf_name: (hidden, heads * head_dim)}, read)
+    return Rule({hf_name: (hidden, heads * head_dim)}, read,
+                lambda block: (*row_groups(block[1], head_dim, 0, head_dim), block[0]))
 
 
 def kv_b_part(hf_name: str, heads: int, nope: int, v: int, lora: int, part: str) -> Rule:
@@ -98,7 +125,9 @@ def kv_b_part(hf_name: str, heads: int, nope: int, v: int, lora: int, part: str)
         block = src.read(hf_name, (slice(h0 * (nope + v), h1 * (nope + v)), slice(c0, c1)))
         return block.reshape(h1 - h0, nope + v, c1 - c0)[:, offset + d0 : offset + d1]
 
-    return Rule({hf_name: (heads * (nope + v), lora)}, read)
+    width = nope if part == "k" else v
+    return Rule({hf_name: (heads * (nope + v), lora)}, read,
+                lambda block: (*row_groups(block[0], nope + v, offset, width), block[1]))
 
 
 def grouped_rows(hf_name: str, groups: int, group_rows: int, offset: int, heads_per_group: int, head_dim: int,
@@ -117,12 +146,19 @@ def grouped_rows(hf_name: str, groups: int, group_rows: int, offset: int, heads_
         first = h0 - g0 * heads_per_group
         return np.moveaxis(heads[first : first + h1 - h0, d0:d1], 2, 0)
 
-    return Rule({hf_name: (groups * group_rows, hidden)}, read)
+    def held_groups(block):
+        if block[0] % group_rows == 0:  # whole groups of heads in a block
+            return block[1], heads_per_group * (block[0] // group_rows), head_dim
+        return block[1], 1, math.gcd(block[0], group_rows, offset, head_dim)
+
+    return Rule({hf_name: (groups * group_rows, hidden)}, read, held_groups)
 
 
 def squeezed(rule: Rule) -> Rule:
     """A [hidden, heads, 1] rule read as [hidden, heads]."""
-    return Rule(rule.tensors, lambda src, idx, shape: rule.read(src, (*idx, slice(0, 1)), (*shape, 1))[..., 0])
+    inner = rule.groups
+    return Rule(rule.tensors, lambda src, idx, shape: rule.read(src, (*idx, slice(0, 1)), (*shape, 1))[..., 0],
+                None if inner is None else lambda block: inner(block)[:-1])
 
 
 def conv_channels(hf_name: str, channels: int, offset: int, heads: int, head_dim: int, taps: int) -> Rule:

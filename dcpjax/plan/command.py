@@ -98,7 +98,7 @@ def plan_model(args: argparse.Namespace) -> dict:
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
     tp = _setting(args, file, "tensor_parallel_size", DEFAULT_TP)
-    weight_dtype = _setting(args, file, "weight_dtype", args.dtype)
+    weight_dtype = _setting(args, file, "weight_dtype", "float8_e4m3fn" if cfg.quantization else args.dtype)
     kv_name = _setting(args, file, "kv_cache_dtype", "bfloat16")
     device = planner.DEVICES[args.device or DEFAULT_DEVICE]
     memory = args.memory_gb or (file.get("memory_gb") if args.device is None else None)  # --device: its preset
@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,
                    help="activations, queries on the wire (default: %(default)s)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES,
-                   help="weights as the checkpoint ships them (default: a deployment file's, else --dtype)")
+                   help="weights as the engine holds them, float8_e4m3fn: fp8 block-scaled (--quantization fp8) "
+                   "(default: a deployment file's, else float8_e4m3fn for a model whose config ships fp8, "
+                   "else --dtype)")
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
                    help="KV cache entries (default: a deployment file's, else bfloat16)")
     p.add_argument("--block-size", type=int, help="KV tokens per block (default: a deployment file's, else 16)")

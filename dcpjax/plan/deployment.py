@@ -12,19 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import pathlib
 from collections.abc import Iterable
 
 import jax.numpy as jnp
-from flax import nnx
 
 from dcpjax.engine.args import EngineArgs
+from dcpjax.loader.model_loader import planned_weight_bytes
 from dcpjax.models.config import ModelConfig
-from dcpjax.models.registry import build_model
 from dcpjax.runner.kv_layout import kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
-from dcpjax.sharding.mesh import RULES
 
 GB = 1e9
 DTYPES = ("bfloat16", "float16", "float32")
@@ -98,7 +95,9 @@ class Deployment:
     parallel: ParallelConfig
     device_memory_bytes: float
     memory_utilization: float = 0.9
-    weight_dtype: str = "bfloat16"  # as the checkpoint ships (DeepSeek-V3 / Kimi-K2: float8_e4m3fn)
+    # what the engine holds: float8_e4m3fn is fp8 block-scaled weights (`weight_bytes_per_device`);
+    # a file's default is as its model's checkpoint ships (quantization_config fp8: float8_e4m3fn)
+    weight_dtype: str = "bfloat16"
     kv_cache_dtype: str = "bfloat16"
     block_size: int = 16
     hosts: int = 1
@@ -108,10 +107,12 @@ class Deployment:
     def from_file(cls, path: str | pathlib.Path) -> Deployment:
         """OSError if `path` cannot be read; ValueError naming the field that is missing or wrong."""
         data = check_deployment(load_json(path), path)
+        model = deployment_model(data, path)
+        shipped = "float8_e4m3fn" if model.quantization else "bfloat16"  # as the checkpoint ships
         return cls(
-            name=data["name"], model=deployment_model(data, path), parallel=deployment_parallel(data, path),
+            name=data["name"], model=model, parallel=deployment_parallel(data, path),
             device_memory_bytes=float(data["device_memory_bytes"]),
-            memory_utilization=data.get("memory_utilization", 0.9), weight_dtype=data.get("weight_dtype", "bfloat16"),
+            memory_utilization=data.get("memory_utilization", 0.9), weight_dtype=data.get("weight_dtype", shipped),
             kv_cache_dtype=data.get("kv_cache_dtype", "bfloat16"), block_size=data.get("block_size", 16),
             hosts=data.get("hosts", 1), max_num_seqs=data.get("max_num_seqs", EngineArgs.max_num_seqs),
         )
@@ -122,15 +123,14 @@ def kv_dtype(name: str) -> jnp.dtype:
     return jnp.dtype("float8_e4m3fn" if name == "fp8" else name)
 
 
-def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, dtype) -> int:
-    """Bytes of this device's shard of every parameter (float32 routers stay float32)."""
-    _, state = build_model(cfg, pc, jnp.dtype(dtype))
-    total = 0
-    for _, var in nnx.to_flat_state(state):
-        value = var.get_value()
-        shard = math.prod(n // RULES.ways(a, pc) for n, a in zip(value.shape, var.logical_axes))
-        total += shard * jnp.dtype(value.dtype).itemsize
-    return total
+def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, weight_dtype) -> int:
+    """Bytes of weights per device, as the engine holds them (`loader.model_loader.planned_weight_bytes`,
+    the count the engine logs): "float8_e4m3fn" is fp8 block-scaled weights (`quantization="fp8"`:
+    the linear projections fp8 with their float32 block scales, the rest bfloat16); any other
+    dtype holds every weight in it (float32 routers stay float32)."""
+    if jnp.dtype(weight_dtype) == jnp.float8_e4m3fn:
+        return planned_weight_bytes(cfg, pc, jnp.bfloat16, quantization="fp8")
+    return planned_weight_bytes(cfg, pc, jnp.dtype(weight_dtype))
 
 
 def memory_plan(d: Deployment) -> dict:

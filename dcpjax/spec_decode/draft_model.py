@@ -31,6 +31,8 @@ import weakref
 import numpy as np
 from flax import nnx
 
+from dcpjax.loader.model_loader import load_model
+from dcpjax.loader.model_source import model_source
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout
 from dcpjax.runner.model_runner import ModelRunner
@@ -38,6 +40,7 @@ from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.runner.step_output import StepResult
 from dcpjax.sequence import ScheduledRow, scheduled_call
 from dcpjax.sharding.config import ParallelConfig
+from dcpjax.spec_decode.config import SpeculativeConfig
 
 
 @dataclasses.dataclass
@@ -116,3 +119,29 @@ class DraftModelProposer:
             # written: every token before the last draft (the last one is never fed to the draft)
             self.computed[row.seq] = row.seq.length + len(drafts[id(row)]) - 1
         return [drafts.get(id(row), []) for row in rows]
+
+
+def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len: int, pc: ParallelConfig, mesh,
+                     dtype, seed: int) -> DraftModel:
+    """The draft model of speculative decoding, loaded on the target's mesh: same vocabulary, room
+    for max_model_len, no linear-attention state (ValueError naming the draft otherwise)."""
+    spec.check_draft_tp(pc.tp)
+    model = spec.model
+    source = model_source(model, pc, seed, with_tokenizer=False)
+    cfg = source.config
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the "
+                         f"target {target.vocab_size}: a draft model must share the target's tokenizer")
+    if cfg.max_position_embeddings < max_model_len:
+        raise ValueError(f"speculative_config model {model!r} handles {cfg.max_position_embeddings} positions, "
+                         f"fewer than max_model_len={max_model_len}; lower max_model_len")
+    cfg.check_max_model_len(max_model_len)
+    if cfg.is_hybrid:  # its state would run on past rejected drafts, and it has no state slots
+        raise ValueError(f"speculative_config model {model!r} is a hybrid ({cfg.architecture}): a draft model "
+                         "must keep only a KV cache; pick a Llama / Qwen / DeepSeek-family draft")
+    try:
+        loaded = load_model(cfg, pc, mesh, dtype, source.weights, is_gguf=source.is_gguf,
+                            checkpoint=source.checkpoint_quantization, label="Draft model")
+    except ValueError as error:
+        raise ValueError(f"speculative_config model {model!r}: {error}") from error
+    return DraftModel(cfg, loaded.graphdef, loaded.state)
