@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from dcpjax.loader.holding import path_name
 from dcpjax.models.config import ModelConfig
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import RULES, kv_head_slots, logical_spec
@@ -65,10 +66,6 @@ def _variables(state: nnx.State):
     return list(nnx.to_flat_state(state))
 
 
-def _key(path) -> str:
-    return ".".join(str(getattr(p, "key", p)) for p in path)
-
-
 def save_state(state: nnx.State, cfg: ModelConfig, pc: ParallelConfig, path: str | pathlib.Path) -> None:
     """Write the parameters of a loaded model to an orbax checkpoint at `path` (a new folder)."""
     import orbax.checkpoint as ocp
@@ -77,7 +74,7 @@ def save_state(state: nnx.State, cfg: ModelConfig, pc: ParallelConfig, path: str
     for var_path, var in _variables(state):
         axes, shape = var.logical_axes, _canonical_shape(var, cfg)
         to_canonical = lambda v, axes=axes, shape=shape: _to_canonical(v, axes, shape, cfg, pc)
-        canonical[_key(var_path)] = jax.jit(to_canonical)(var.get_value())
+        canonical[path_name(var_path)] = jax.jit(to_canonical)(var.get_value())
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(pathlib.Path(path).absolute(), canonical)
     checkpointer.wait_until_finished()
@@ -93,7 +90,7 @@ def restore_state(abstract_state: nnx.State, cfg: ModelConfig, pc: ParallelConfi
     for var_path, var in variables:
         shape = _canonical_shape(var, cfg)
         sharding = NamedSharding(mesh, _restore_spec(shape, var.logical_axes, mesh))
-        target[_key(var_path)] = jax.ShapeDtypeStruct(shape, var.get_value().dtype, sharding=sharding)
+        target[path_name(var_path)] = jax.ShapeDtypeStruct(shape, var.get_value().dtype, sharding=sharding)
     path = pathlib.Path(path).absolute()
     if not path.is_dir():
         raise ValueError(f"no orbax checkpoint at {path}")
@@ -105,5 +102,5 @@ def restore_state(abstract_state: nnx.State, cfg: ModelConfig, pc: ParallelConfi
         axes, shape = var.logical_axes, var.get_value().shape
         out = NamedSharding(mesh, logical_spec(*axes))
         expand = jax.jit(lambda v, axes=axes, shape=shape: _from_canonical(v, axes, shape, cfg, pc), out_shardings=out)
-        var.set_value(expand(restored[_key(var_path)]))
+        var.set_value(expand(restored[path_name(var_path)]))
     return abstract_state

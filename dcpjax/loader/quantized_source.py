@@ -69,7 +69,7 @@ class Fp8CheckpointSource(_Wrapped):
         for weight, scale in self.scale_names.items():
             self._check(weight, scale, names)
         unscaled = sorted(n for n in names - set(self.scale_names) - set(self.scale_names.values())
-                          if str(inner.read(n, (slice(0, 1),) * len(inner.shape(n))).dtype) == FP8_DTYPE)
+                          if str(inner.dtype(n)) == FP8_DTYPE)
         if unscaled:
             raise ValueError(f"float8_e4m3fn tensors without their X.weight{suffix}: {', '.join(unscaled[:5])}; "
                              f"each quantized X.weight needs one (quantization_config {quant.to_hf()})")
@@ -141,6 +141,7 @@ class OnlineFp8Source(_Wrapped):
         self.formats = fp8_formats(block)
         self.cache_bytes = cache_bytes
         self._cache: collections.OrderedDict[str, tuple[np.ndarray, np.ndarray]] = collections.OrderedDict()
+        self._cached_bytes = 0
 
     def format(self, name):
         return self.formats(name, self.inner.shape(name))
@@ -150,10 +151,12 @@ class OnlineFp8Source(_Wrapped):
             self._cache.move_to_end(name)
             return self._cache[name]
         whole = np.asarray(self.inner.read(name, (slice(None),) * 2), np.float32)
-        self._cache[name] = quantize_blocks(whole, self.format(name).block)
-        while len(self._cache) > 1 and sum(v.nbytes + s.nbytes for v, s in self._cache.values()) > self.cache_bytes:
-            self._cache.popitem(last=False)
-        return self._cache[name]
+        values, scale = self._cache[name] = quantize_blocks(whole, self.format(name).block)
+        self._cached_bytes += values.nbytes + scale.nbytes
+        while len(self._cache) > 1 and self._cached_bytes > self.cache_bytes:
+            _, (old_values, old_scale) = self._cache.popitem(last=False)
+            self._cached_bytes -= old_values.nbytes + old_scale.nbytes
+        return values, scale
 
     def read_part(self, name, index, part):
         fmt = self.format(name)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import ml_dtypes
 import numpy as np
 
+from dcpjax.models.weight_rules import bounds
 from dcpjax.quantization.formats import BlockFormat
 
 QUANT_PARTS = ("values", "scale", "offset")
@@ -33,6 +34,10 @@ class TensorSource:
         """The slice as float (a quantized tensor dequantized)."""
         raise NotImplementedError
 
+    def dtype(self, name: str) -> np.dtype:
+        """The dtype a tensor is stored in (default: read one element)."""
+        return self.read(name, (slice(0, 1),) * len(self.shape(name))).dtype
+
     def format(self, name: str) -> BlockFormat | None:
         """How `name` is quantized in this source (None: it is float)."""
         return None
@@ -47,7 +52,7 @@ class TensorSource:
 def slice_ranges(index: tuple[slice, ...], shape: tuple[int, ...]) -> list[range]:
     """Each axis of `index` (missing trailing axes: whole) as a range into `shape`."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
-    return [range(*s.indices(n)) for s, n in zip(index, shape)]
+    return [range(a, b) for a, b in bounds(index, shape)]
 
 
 class DictSource(TensorSource):
@@ -95,6 +100,11 @@ class SafetensorsSource(TensorSource):
 
     def shape(self, name):
         return tuple(self.handles[self.weight_map[name]].get_slice(name).get_shape())
+
+    def dtype(self, name):
+        """From the file's header, nothing read."""
+        kind = self.handles[self.weight_map[name]].get_slice(name).get_dtype()
+        return np.dtype(_RAW_DTYPES[kind]) if kind in _RAW_DTYPES else super().dtype(name)
 
     def read(self, name, index):
         part = self.handles[self.weight_map[name]].get_slice(name)
