@@ -24,10 +24,12 @@ $(TEST): $(BASE)
 	touch $@
 
 .PHONY: demo attention-demo test bench
-# SmolLM2 at TP 9 / DCP 3 (the one DCP layout its 9 query / 3 KV heads allow) against DCP 1
+# SmolLM2 at TP 9 / DCP 3 (the one DCP layout its 9 query / 3 KV heads allow) against DCP 1, with
+# 512 MiB of KV per device (fixed, so the capacities it prints are the README's on every host)
 demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \
-		--tensor-parallel-size 9 --decode-context-parallel-size 3 --chat --compare-dcp-1 --max-tokens 48
+		--tensor-parallel-size 9 --decode-context-parallel-size 3 --kv-cache-memory-bytes 512M \
+		--chat --compare-dcp-1 --max-tokens 48
 
 attention-demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.demo --num-cpu-devices 8

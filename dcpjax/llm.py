@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.config import EngineConfig
 from dcpjax.engine.core import Engine, Sequence
+from dcpjax.engine.preflight import check_configuration
 from dcpjax.engine.requests import RequestBuilder, request_output
 from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
 from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
@@ -37,14 +38,6 @@ from dcpjax.text.chat_template import ChatTemplate, text_content
 from dcpjax.text.tokenizer import eos_token_ids
 
 logger = logging.getLogger(__name__)
-
-
-def _checked_max_model_len(max_model_len: int | None, cfg: ModelConfig) -> int:
-    value = max_model_len or cfg.max_position_embeddings
-    if not 1 < value <= cfg.max_position_embeddings:
-        raise ValueError(f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {value}")
-    cfg.check_max_model_len(value)
-    return value
 
 
 def _generation_defaults(model_folder: str | None, generation_config: str) -> dict:
@@ -77,7 +70,8 @@ class LLM:
       attention_backend: "auto" | "pallas" | "reference".
       block_size: tokens per KV block on each DCP rank (a block table entry covers block_size * DCP).
       max_num_seqs: sequences running together.
-      max_num_batched_tokens: tokens per step (prefill chunks and decode tokens together; a power of two).
+      max_num_batched_tokens: tokens per step (prefill chunks and decode tokens together; any value
+        >= 1: a step schedules at most this many, its model call is padded to the next power of two).
       async_scheduling: keep the host one step ahead of the device (vLLM's `async_scheduling`):
         the next step is scheduled and dispatched before the last one's tokens are read.
       orbax_checkpoint: restore the weights from this folder (written by `save_checkpoint`,
@@ -177,14 +171,20 @@ class LLM:
         self.config, self.parallel_config, self.seed = config, config.parallel, config.seed
         compile_watch()  # count compiles from here on (`dcpjax:compilations_total`)
         self.compilation_cache_dir = use_compilation_cache(resolve_compilation_cache_dir(config.compilation_cache_dir))
+        devices = list(jax.devices() if devices is None else devices)
+        source = model_source(config.model, config.parallel, config.seed, config.tokenizer,
+                              load_format=config.load_format)
+        self.model_config, self.tokenizer = source.config, source.tokenizer
+        # the model's rules, its positions and the devices, all at once, before anything is placed
+        self.max_model_len = check_configuration(config.parallel, self.model_config, config.max_model_len,
+                                                 len(devices), devices[0].platform)
+        if source.random_weights and not config.orbax_checkpoint:
+            logger.warning("%s has random weights: its text is noise by design (load_format=%r)", config.model,
+                           config.load_format)
         self.mesh = make_mesh(config.parallel, devices)
         # the platform of a device; one of another process is fine for that
         self.dtype, cache_dtype = config.dtypes(self.mesh.devices.flat[0].platform)
-        source = model_source(config.model, config.parallel, config.seed, config.tokenizer,
-                              load_format=config.load_format)
         self.default_sampling = _generation_defaults(source.folder, config.generation_config)
-        self.model_config, self.tokenizer = source.config, source.tokenizer
-        self.max_model_len = _checked_max_model_len(config.max_model_len, self.model_config)
         self.speculative_config = spec = config.speculative
         if spec is not None and self.model_config.is_hybrid:
             raise ValueError("speculative_config: speculative decoding is not supported for "

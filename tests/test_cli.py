@@ -11,6 +11,7 @@ import ast
 import asyncio
 import logging
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from fastapi.testclient import TestClient
 
 from dcpjax import LLM
 from dcpjax import __main__ as dcpjax_main
+from dcpjax.bench import __main__ as bench_main
 from dcpjax.engine.args import EngineArgs
 from dcpjax.entrypoints import cli, generate
 from dcpjax.serve import __main__ as serve
@@ -45,7 +47,8 @@ def one_error_line(capsys) -> str:
 @pytest.mark.parametrize("command", MAINS)
 @pytest.mark.parametrize("argv, fragments", [
     (["-tp", "16"], ["needs 16 devices", "--num-cpu-devices 16"]),
-    (["-tp", "8", "-dcp", "3"], ["must divide TP", "[1, 2, 4, 8]"]),
+    # not 8: tiny-llama's 2 KV heads rule it out (the list is the model's, not TP's divisors)
+    (["-tp", "8", "-dcp", "3"], ["must divide TP", "tensor_parallel_size=8: [1, 2, 4]."]),
     (["--model", "no-such-model"], ["'no-such-model' is neither a built-in model", "tiny-llama"]),
     (["--model", "./missing.gguf"], ["'./missing.gguf': no such file or folder", "check the path"]),
     ([HUB_ID], ["dcpjax does not download models", f"huggingface-cli download {HUB_ID}"]),
@@ -54,6 +57,60 @@ def test_user_errors_are_one_line_and_exit_2(command, argv, fragments, capsys):
     assert cli.run(MAINS[command], argv) == cli.USAGE_EXIT
     err = one_error_line(capsys)
     assert all(f in err for f in fragments), err
+
+
+@pytest.mark.parametrize("command", MAINS)
+def test_every_problem_of_the_command_line_at_once(command, capsys):
+    """SmolLM2 (9 query, 3 KV heads) at TP 16 on 8 devices: the TP its heads refuse, a max_model_len
+    past its positions and the devices missing, in one error (it used to ask for --num-cpu-devices
+    first, then refuse the TP)."""
+    assert cli.run(MAINS[command], ["smollm2-135m-instruct", "-tp", "16", "--max-model-len", "9000"]) == 2
+    err = one_error_line(capsys)
+    assert err.startswith("error: 3 problems: (1) ") and "9 % 16 = 9" in err, err
+    assert "the model allows tensor_parallel_size [1, 3, 9]" in err and "[2, 8192]" in err, err
+    assert "--num-cpu-devices 16" in err, err
+
+
+@pytest.mark.parametrize("dcp, rule", [("2", "9 % 2 = 1"), ("9", "9 > 9 // 3 = 3")])
+def test_valid_dcp_sizes_are_the_models(dcp, rule, capsys):
+    """The sizes a message lists are those the same rules accept: -dcp 2 listed [1, 3, 9] (DCP divides
+    TP, whatever the model), then -dcp 9 was refused by the model's rules."""
+    assert cli.run(generate.main, ["smollm2-135m-instruct", "-tp", "9", "-dcp", dcp]) == 2
+    err = one_error_line(capsys)
+    assert rule in err and "valid decode_context_parallel_size for tensor_parallel_size=9: [1, 3]" in err, err
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["--tensor-paralel-size", "4"], "did you mean --tensor-parallel-size?"),
+    (["--max-model-lenn", "64", "--prot", "1"],
+     "--max-model-lenn: did you mean --max-model-len?; --prot: did you mean --port?"),
+])
+def test_a_misspelled_flag_is_two_short_lines(argv, hint, capsys):
+    with pytest.raises(SystemExit) as exited:
+        serve.parse_args(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and hint in err, err
+    assert err.splitlines()[1:] == ["python -m dcpjax.serve: see --help for every flag"], err  # no usage
+
+
+def test_a_misspelled_subcommand_flag_is_guessed_too(capsys):
+    with pytest.raises(SystemExit):
+        bench_main.parse_args(["throughput", "--num-promts", "3"])
+    assert "did you mean --num-prompts?" in capsys.readouterr().err
+
+
+def test_a_busy_port_fails_before_the_model_loads(monkeypatch, capsys):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(LLM, "from_engine_args", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli.run(serve.main, ["--port", str(port)]) == 2
+    err = one_error_line(capsys)
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "pass another --port" in err, err
 
 
 def test_debug_shows_the_traceback():
@@ -114,13 +171,15 @@ def test_log_flags_reach_uvicorn_and_the_app(llm, monkeypatch):
         def __init__(self, config, engine, draining, timeout):
             seen["config"] = config
 
-        def run(self):
-            pass
+        def run(self, sockets):
+            seen["sockets"] = sockets
 
     monkeypatch.setattr(shutdown, "GracefulServer", Server)
     for argv, level, logged in ([], "warning", True), (["--uvicorn-log-level", "info", "--disable-log-requests"],
                                                         "info", False):
-        assert serve.serve_http(serve.parse_args(argv), llm, None) == 0
+        with serve.bind_port("127.0.0.1", 0) as sock:
+            assert serve.serve_http(serve.parse_args(argv), llm, None, sock) == 0
+            assert seen["sockets"] == [sock]  # uvicorn serves on the socket bound before loading
         config = seen["config"]
         assert isinstance(config, uvicorn.Config) and config.log_level == level
         assert any(m.cls is RequestLog for m in config.app.user_middleware) == logged
@@ -286,3 +345,11 @@ def test_a_server_that_refuses_its_flags_is_one_line_for_its_launcher(capsys):
     assert cli.run(main, []) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: the server did not start") and "int4" in lines[0], lines
+
+
+def test_generate_says_first_when_the_weights_are_random(capsys):
+    """`python -m dcpjax.generate --prompt hi` runs the default tiny-llama, whose random weights print
+    noise: the first line of the output says so, and names the built-in model with real weights."""
+    assert generate.main(["--prompt", "hi", "--max-tokens", "2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("note: tiny-llama has random weights") and "--model smollm2-135m-instruct" in first

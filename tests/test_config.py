@@ -16,17 +16,31 @@ def test_defaults_and_frozen():
         (dict(tensor_parallel_size=8, decode_context_parallel_size=3),
          "tensor_parallel_size % decode_context_parallel_size"),
         (dict(tensor_parallel_size=6, decode_context_parallel_size=4),
-         "valid decode_context_parallel_size for tensor_parallel_size=6: [1, 2, 3, 6]"),
+         "valid decode_context_parallel_size for tensor_parallel_size=6 (before a model's own rules): [1, 2, 3, 6]"),
         (dict(cp_kv_cache_interleave_size=0), "cp_kv_cache_interleave_size must be an integer >= 1"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be an integer >= 1"),
         (dict(dcp_comm_backend="nccl"), "dcp_comm_backend must be one of"),
         (dict(tensor_parallel_size=4, dcp_comm_backend="a2a"), 'a2a" needs decode_context_parallel_size > 1'),
     ],
 )
-def test_construction_rules(kwargs, rule):
+def test_construction_and_size_rules(kwargs, rule):
+    """Types at construction; the sizes' own rules at `check` (a mesh calls it), where the valid
+    sizes listed are those of the same rules (a model's narrow them further: `validate`)."""
     with pytest.raises(ValueError) as err:
-        ParallelConfig(**kwargs)
+        ParallelConfig(**kwargs).check()
     assert rule in str(err.value)
+
+
+def test_sizes_listed_are_those_the_model_allows():
+    """TP 9 / DCP 2 on 9 query heads and 3 KV heads (SmolLM2): DCP must divide TP, and of the
+    divisors 1, 3, 9 only 1 and 3 keep the model's rules."""
+    pc = ParallelConfig(9, 2)
+    with pytest.raises(ValueError, match=r"9 % 2 = 1 .* valid decode_context_parallel_size for "
+                                         r"tensor_parallel_size=9: \[1, 3\]\."):
+        pc.validate(9, 3)
+    assert ParallelConfig(9).valid_dcp_sizes(9, 3) == [1, 3] and ParallelConfig.valid_tp_sizes(9, 3) == [1, 3, 9]
+    with pytest.raises(ValueError, match=r"the model allows tensor_parallel_size \[1, 3, 9\]"):
+        ParallelConfig(4).validate(9, 3)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from dcpjax import LLM
+from dcpjax import LLM, SamplingParams
 from dcpjax.bench import __main__ as bench
 from dcpjax.bench.throughput import engine_args
 from dcpjax.demo import __main__ as demo
@@ -109,7 +109,7 @@ def test_choices_come_from_the_codes_constants():
     (["--dcp-comm-backend", "nccl"], "argument --dcp-comm-backend: invalid choice: 'nccl'"),
     (["-tp", "0"], "argument --tensor-parallel-size/-tp: must be >= 1, got 0"),
     (["--block-size", "x"], "argument --block-size: expected an integer, got 'x'"),
-    (["--max-num-batched-tokens", "100"], "argument --max-num-batched-tokens: must be a power of two, got 100"),
+    (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be >= 1, got 0"),
     (["--gpu-memory-utilization", "1.5"], "argument --gpu-memory-utilization: must be in (0, 1], got 1.5"),
     (["--max-model-len", "1"], "argument --max-model-len: must be >= 2, got 1"),
 ])
@@ -139,10 +139,57 @@ def test_with_dcp_and_parallel_config():
     assert (one.decode_context_parallel_size, one.cp_kv_cache_interleave_size, one.dcp_comm_backend) == (1, 1, "ag_rs")
     assert args.with_dcp(4).parallel_config().dcp == 4 and args.with_dcp(4).dcp_comm_backend == "a2a"
     with pytest.raises(ValueError, match="tensor_parallel_size % decode_context_parallel_size"):
-        args.with_dcp(3).parallel_config()
+        args.with_dcp(3).parallel_config().check()
 
 
 def test_llm_from_engine_args():
     llm = LLM.from_engine_args(EngineArgs(tensor_parallel_size=8, decode_context_parallel_size=2,
                                           kv_cache_memory_bytes=1 << 20, max_model_len=64))
     assert llm.parallel_config.dcp == 2 and llm.max_model_len == 64 and llm.kv_cache_size_tokens > 0
+
+
+def test_any_token_budget_as_vllm_takes_it():
+    """vLLM takes any max_num_batched_tokens; dcpjax took only powers of two (40 and 72 were a
+    ValueError). A step schedules at most that many tokens; its model call is padded onto the
+    shape grid (40 -> calls of up to 64 tokens, 72 -> 128), and the tokens are those of any budget."""
+    prompts = [list(range(3, 3 + n)) for n in (100, 7, 61)]  # several chunks at either budget
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outputs = {}
+    for tokens, top in ((40, 64), (72, 128), (256, 256)):
+        args = EngineArgs.from_cli_args(generate.parse_args(["--max-num-batched-tokens", str(tokens)]),
+                                        max_model_len=128, kv_cache_memory_bytes=1 << 18, tensor_parallel_size=2)
+        llm = LLM.from_engine_args(args)
+        assert llm.scheduler_config.max_num_batched_tokens == tokens and llm.shape_grid.tokens[-1] == top
+        outputs[tokens] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                         params)]
+    assert outputs[40] == outputs[72] == outputs[256]
+
+
+@pytest.mark.parametrize("argv, field, value", [
+    (["--max-model-len", "32k"], "max_model_len", 32_000),
+    (["--max-model-len", "32K"], "max_model_len", 32_768),
+    (["--max-model-len", "25.6k"], "max_model_len", 25_600),
+    (["--max-model-len", "auto"], "max_model_len", None),
+    (["--max-model-len", "-1"], "max_model_len", None),
+    (["--kv-cache-memory-bytes", "4G"], "kv_cache_memory_bytes", 4 << 30),
+    (["--kv-cache-memory-bytes", "4g"], "kv_cache_memory_bytes", 4_000_000_000),
+    (["--max-num-batched-tokens", "8k"], "max_num_batched_tokens", 8_000),
+    (["--max-num-batched-tokens", "72"], "max_num_batched_tokens", 72),
+    (["-sc", '{"method": "ngram", "num_speculative_tokens": 2}'], "speculative_config",
+     {"method": "ngram", "num_speculative_tokens": 2}),
+    (["--dcp-kv-cache-interleave-size", "4"], "cp_kv_cache_interleave_size", 4),
+    (["--tokenizer", "None"], "tokenizer", None),
+    (["-q", "None"], "quantization", "auto"),
+    (["--max-logprobs", "-1"], "max_logprobs", 1024),
+])
+@pytest.mark.parametrize("cli", ["generate", "serve"])
+def test_vllms_spellings_of_values(cli, argv, field, value):
+    """What vLLM's EngineArgs takes, taken the same (docs/serving.md lists what still differs)."""
+    assert getattr(EngineArgs.from_cli_args(PARSERS[cli]().parse_args(argv)), field) == value
+
+
+@pytest.mark.parametrize("text", ["1.0001k", "1e3", "32 k", "k", "0.5"])
+def test_readable_integers_refuse_what_is_not_one(text, capsys):
+    with pytest.raises(SystemExit):
+        PARSERS["generate"]().parse_args(["--max-model-len", text])
+    assert "argument --max-model-len: expected an integer (or 32k, 4G" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from dcpjax.engine.preflight import max_model_len_problem
 from dcpjax.entrypoints import cli
 from dcpjax.models.config import ModelConfig
 from dcpjax.plan import command as plan
@@ -18,6 +19,8 @@ from dcpjax.sharding.config import ParallelConfig
 HF_LLAMA = dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                 max_position_embeddings=4096, rms_norm_eps=1e-6, rope_theta=10000.0)
+# SmolLM2-135M's heads (9 query, 3 KV: no TP 8) and positions (8192: not 8192 in + 512 out)
+HF_SMOL = HF_LLAMA | dict(num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
 DEPLOYMENT = dict(name="small", model=HF_LLAMA, parallel={"tensor_parallel_size": 4, "decode_context_parallel_size": 2},
                   device_memory_bytes=2e6, memory_utilization=0.5, weight_dtype="float32", kv_cache_dtype="float16",
                   block_size=32)
@@ -166,3 +169,63 @@ def test_missing_files_and_models_are_one_line(tmp_path, capsys):
     assert _error(capsys, ["--model", missing]).startswith(f"error: --model: model '{missing}': no such file or folder")
     empty = _write(tmp_path, "{}")
     assert _error(capsys, ["--model", empty]).startswith(f"error: --model: {empty}: no field 'model'; a deployment")
+
+
+def test_a_workload_past_the_models_positions_is_one_line(tmp_path, capsys):
+    """The issue's case: SmolLM2 at 1,000,000 tokens a sequence, which the engine refuses, was planned."""
+    path = _write(tmp_path, HF_SMOL, "config.json")
+    line = _error(capsys, ["--model", path, "-tp", "9", "--input-len", "1000000"])
+    assert "1000000 in + 512 out = 1,000,512 tokens" in line and "max_model_len must be in [2, 8192]" in line, line
+    assert line.endswith("lower --input-len or --output-len so they add up to at most 8,192"), line
+    assert _plan(capsys, "--model", path, "-tp", "9", "--input-len", "7680")["recommended_dcp"] is not None
+    assert "7681 in + 512 out = 8,193 tokens" in _error(capsys, ["--model", path, "-tp", "9", "--input-len", "7681"])
+
+
+@pytest.mark.parametrize("config, input_len", [(HF_SMOL, 7680), (HF_SMOL | {"sliding_window": 4096}, 3584),
+                                               (HF_LLAMA | {"max_position_embeddings": 32768}, 8192)])
+def test_the_default_input_fits_the_model(config, input_len, tmp_path, capsys):
+    """8192 in + 512 out is past SmolLM2's 8192 positions (or a sliding window dcpjax does not
+    implement): the default input is the longest the engine's own rule accepts, and the plan says so."""
+    path, cfg = _write(tmp_path, config, "config.json"), ModelConfig.from_hf(config)
+    result = _plan(capsys, "--model", path, "-tp", "1")
+    assert result["workload"]["input_len"] == input_len and max_model_len_problem(input_len + 512, cfg) is None
+    lowered = result["adjusted_defaults"].get("input_len")
+    assert (lowered is None) == (input_len == 8192)
+    if lowered:
+        assert max_model_len_problem(input_len + 512 + 1, cfg) is not None
+        assert plan.main(["--model", path, "-tp", "1"]) == 0
+        assert f"32 x ({input_len} in + 512 out; {lowered})" in capsys.readouterr().out
+
+
+def test_the_default_tp_is_one_the_heads_allow(tmp_path, capsys):
+    """The issue's case: SmolLM2 at the default TP 8 rejected every row; TP 9 is the nearest its heads allow."""
+    path = _write(tmp_path, HF_SMOL, "config.json")
+    note = "the default 8 does not divide the 9 query heads; they allow TP 1, 3, 9"
+    result = _plan(capsys, "--model", path)
+    assert (result["tp"], result["adjusted_defaults"]["tensor_parallel_size"]) == (9, note)
+    assert result["recommended_dcp"] is not None
+    assert plan.main(["--model", path]) == 0
+    assert f": TP 9 ({note}) on h200" in capsys.readouterr().out
+    assert "tensor_parallel_size" not in _plan(capsys, "--model", path, "-tp", "3")["adjusted_defaults"]
+
+
+@pytest.mark.parametrize("heads, kv_heads, tp, why", [
+    (16, 2, 8, None),
+    (60, 2, 6, "the default 8 does not divide the 60 query heads; they allow TP 1, 2, 4, 6, 10, 12, 20, 30, 60"),
+    (24, 3, 6, "the default 8 does not split the 3 KV heads evenly; they allow TP 1, 3, 6, 12, 24"),
+])
+def test_the_default_tp_is_the_nearest_the_heads_allow(heads, kv_heads, tp, why):
+    """60 heads: TP 6 and 10 are as near to 8, the smaller wins; 24 heads over 3 KV heads: TP 8 splits the
+    query heads but not the KV heads."""
+    cfg = ModelConfig.from_hf(HF_LLAMA | dict(num_attention_heads=heads, num_key_value_heads=kv_heads))
+    assert plan.default_tp(cfg) == (tp, why)
+
+
+def test_every_tp_the_heads_allow_that_fits_is_on_one_line(tmp_path, capsys):
+    """The issue's case: SmolLM2 at TP 8 offered TP 1 and 9, not TP 3."""
+    path = _write(tmp_path, HF_SMOL, "config.json")
+    result = _plan(capsys, "--model", path, "-tp", "8")
+    assert [(a["value"], a["dcp"]) for a in result["what_would_fit"]] == [(1, [1]), (3, [1]), (9, [1, 3])]
+    assert plan.main(["--model", path, "-tp", "8"]) == 0
+    assert ("\n- devices: TP 1 (1 device) fits, at DCP 1; TP 3 (3 devices) fits, at DCP 1; TP 9 (9 devices) fits, "
+            "at DCP 1, 3\n") in capsys.readouterr().out

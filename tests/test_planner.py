@@ -27,9 +27,9 @@ LLAMA = TINY_MODELS["tiny-llama"]
 WORKLOAD = planner.Workload(input_len=256, output_len=32, concurrency=4)
 
 
-def _row(cfg, pc, memory_gb=0.01, weight_bytes=0.0):
+def _row(cfg, pc, memory_gb=0.01, weight_bytes=0.0, workload=WORKLOAD):
     device = dataclasses.replace(planner.DEVICES["cpu"], memory_gb=memory_gb)
-    return planner.plan_size(cfg, pc, device=device, link=planner.LINKS["nvlink"], workload=WORKLOAD,
+    return planner.plan_size(cfg, pc, device=device, link=planner.LINKS["nvlink"], workload=workload,
                              weight_bytes=weight_bytes, kv_dtype=jnp.float32, utilization=1.0, q_bytes=4)
 
 
@@ -114,7 +114,7 @@ def test_collective_bytes_are_the_compiled_steps(model, dcp, comm):
 
 
 def test_plan_cli_recommends_and_explains(capsys):
-    assert plan.main(["--model", "tiny-llama", "-tp", "8", "--device", "h200", "--input-len", "32768",
+    assert plan.main(["--model", "tiny-llama", "-tp", "8", "--device", "h200", "--input-len", "32256",
                       "--output-len", "512", "--concurrency", "64", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     sizes = {r["dcp"]: r for r in result["sizes"]}
@@ -160,6 +160,60 @@ def test_the_recommendation_is_never_a_rejected_size(tp, memory_kb, input_len, c
     assert (result["recommended_dcp"] in valid) if valid else result["recommended_dcp"] is None
     assert (result["recommended_comm_backend"] is None) == (result["recommended_dcp"] is None)
     assert not (valid and result["what_would_fit"])  # alternatives only when nothing fits
+    if len(valid) <= 1:  # the reasons name each rejected size with its own first reason
+        said = " ".join(result["reasons"])
+        assert all(r["rules_broken"][0] in said for r in result["sizes"] if not r["valid"]), said
+
+
+# SmolLM2-135M's heads (9 query, 3 KV) on tiny-llama: at TP 9, DCP 9 breaks a layout rule
+SMOL = dataclasses.replace(LLAMA, num_attention_heads=9, num_key_value_heads=3)
+DCP9_RULE = "'decode_context_parallel_size <= tensor_parallel_size // num_kv_heads' failed: 9 > 9 // 3 = 3"
+
+
+def test_each_rejected_size_is_named_with_its_own_reason():
+    """The issue's cases: DCP 1 holds a third of DCP 3's tokens, DCP 9 breaks a rule; the summary gave
+    every rejected size the first one's reason and numbers ("DCP 1, 9: ... 19,136 tokens")."""
+    def rows(workload):
+        return [_row(SMOL, ParallelConfig(9, d), memory_gb=1e-4, workload=workload) for d in (1, 3, 9)]
+
+    def short(per_seq, tokens):
+        return (f"one sequence of {per_seq:,} tokens (input + output) needs more than the {tokens:,} tokens the KV "
+                "cache holds")
+
+    t1, t3 = (r["kv_cache_size_tokens"] for r in rows(planner.Workload(16, 16, 1))[:2])
+    assert 0 < t1 < t3
+    between = planner.Workload(t1, 16, 4)  # more than DCP 1 holds, less than DCP 3
+    assert planner.recommend(SMOL, rows(between), planner.LINKS["nvlink"], between) == (3, [
+        f"model: only DCP 3 fits; DCP 1: {short(t1 + 16, t1)}; DCP 9 breaks the model's rules ({DCP9_RULE})"])
+    beyond = planner.Workload(t3, 16, 4)  # more than either holds
+    assert planner.recommend(SMOL, rows(beyond), planner.LINKS["nvlink"], beyond) == (None, [
+        (f"nothing fits at TP 9: DCP 1: {short(t3 + 16, t1)}; DCP 3: {short(t3 + 16, t3)}; "
+         f"DCP 9 breaks the model's rules ({DCP9_RULE})")])
+
+
+def _rows(tp, dcps, kind):
+    return [{"tp": tp, "dcp": d, "valid": kind is None, "rejected_by": kind, "rules_broken": [] if kind is None
+             else [f"{kind} at TP {tp}"]} for d in dcps]
+
+
+def test_what_would_fit_plans_few_tps():
+    """tiny-llama's heads allow TP 1, 2, 4, 8; here 4 and 8 (and fp8 weights) fit, TP 2 runs out of memory.
+    At TP 3 (the rules): the smaller TPs down to the first out of memory (TP 1, smaller still, is not
+    planned), then the smallest larger one that fits. At TP 2 (memory): a smaller TP cannot help."""
+    planned = []
+
+    def rows_at(tp, weight_dtype):
+        planned.append((tp, weight_dtype))
+        return _rows(tp, [1], None if tp >= 4 or weight_dtype == planner.FP8 else "weights")
+
+    found = planner.what_would_fit(LLAMA, _rows(3, [1, 3], "rules"), weight_dtype="bfloat16", workload=WORKLOAD,
+                                   rows_at=rows_at)
+    assert planned == [(2, "bfloat16"), (4, "bfloat16")] and [a["value"] for a in found] == [4]
+    planned.clear()
+    found = planner.what_would_fit(LLAMA, _rows(2, [1, 2], "weights"), weight_dtype="bfloat16", workload=WORKLOAD,
+                                   rows_at=rows_at)
+    assert planned == [(4, "bfloat16"), (2, planner.FP8)]
+    assert [(a["change"], a["value"]) for a in found] == [("tensor_parallel_size", 4), ("weight_dtype", planner.FP8)]
 
 
 def test_nothing_fits_says_what_would_and_each_change_is_planned(capsys):
@@ -183,7 +237,7 @@ def test_nothing_fits_says_what_would_and_each_change_is_planned(capsys):
 
 def test_a_shorter_context_is_the_longest_that_fits(capsys):
     args = (*TINY, "--memory-gb", "1e-4", "--output-len", "16", "--concurrency", "4")
-    result = _plan(capsys, *args, "--input-len", "1000000")
+    result = _plan(capsys, *args, "--input-len", "32000")  # within tiny-llama's 32768 positions
     assert result["recommended_dcp"] is None
     [alt] = [alt for alt in result["what_would_fit"] if alt["change"] == "context"]
     longest = alt["value"]
@@ -195,12 +249,15 @@ def test_a_shorter_context_is_the_longest_that_fits(capsys):
     assert max(r.get("batch", 0) for r in at_four["sizes"]) == 4
 
 
-def test_a_tp_that_breaks_the_rules_gets_the_nearest_tps_that_fit(capsys):
+def test_a_tp_that_breaks_the_rules_gets_every_tp_that_fits(capsys):
+    """Every smaller TP the heads allow (1, 2), not only the nearest, and the smallest larger one."""
     result = _plan(capsys, *TINY, "-tp", "3")
     assert result["recommended_dcp"] is None and {r["rejected_by"] for r in result["sizes"]} == {"rules"}
     assert [(a["change"], a["value"]) for a in result["what_would_fit"]] == [("tensor_parallel_size", 1),
+                                                                              ("tensor_parallel_size", 2),
                                                                               ("tensor_parallel_size", 4)]
-    assert result["reasons"][0].startswith("nothing fits at TP 3: DCP 1, 3 break the model's rules (DCP 1: ")
+    assert result["reasons"] == [("nothing fits at TP 3: DCP 1, 3 break the model's rules "
+                                  "('num_attention_heads % tensor_parallel_size == 0' failed: 8 % 3 = 2)")]
 
 
 def test_qwen3_235b_at_tp_6_fits_nowhere_and_tp_4_or_8_would(capsys):
@@ -213,7 +270,7 @@ def test_qwen3_235b_at_tp_6_fits_nowhere_and_tp_4_or_8_would(capsys):
 @pytest.mark.parametrize("link", ["nvlink", "ici", "dcn"])
 def test_the_recommendation_is_the_tables_fastest(link, capsys):
     """On ici DCP 4 is fastest with a2a but slower than DCP 1 with ag_rs: the best backend counts."""
-    result = _plan(capsys, "--model", "tiny-llama", "--interconnect", link, "--input-len", "32768",
+    result = _plan(capsys, "--model", "tiny-llama", "--interconnect", link, "--input-len", "32256",
                    "--concurrency", "64")
     valid = [r for r in result["sizes"] if r["valid"]]
     best = max(max(r["tokens_per_second"].values()) for r in valid)

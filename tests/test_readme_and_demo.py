@@ -3,7 +3,7 @@ their command lines parse with the commands' own parsers; their links resolve.
 
 Every ```python block of README.md and docs/*.md runs in a fresh interpreter. Every
 `python -m dcpjax...` line of a ```bash block is parsed by that command's parser (and its
-TP/DCP checked against ParallelConfig's rules), without running it.
+TP/DCP checked against ParallelConfig's rules, and its model's where the model is here), without running it.
 """
 
 import pathlib
@@ -12,8 +12,14 @@ import shlex
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
+from dcpjax.engine.args import EngineArgs
+from dcpjax.entrypoints import generate
+from dcpjax.loader.model_source import load_model_config
+from dcpjax.runner.kv_layout import kv_cache_layout
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.devices import env_without_forced_device_count
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,6 +49,9 @@ def test_doc_python_examples_run(block):
                             text=True, timeout=600, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip()
+    # a line an example says is logged is logged, at the log level the example sets
+    for claim in re.findall(r'logged (?:above )?as "([^"]+)"', block):
+        assert claim.split(" N")[0] in result.stderr, f"the example says it logs {claim!r}: {result.stderr[-2000:]}"
 
 
 def test_readme_has_examples():
@@ -140,15 +149,19 @@ def _parse(module: str, argv: list[str]):
 
 @pytest.mark.parametrize("words", [w for _, w in COMMANDS], ids=[f"{n}-cmd{i}" for i, (n, _) in enumerate(COMMANDS)])
 def test_doc_command_lines_parse(words):
-    from dcpjax.sharding.config import ParallelConfig
-
     try:
         args = _parse(words[0], words[1:])
     except SystemExit as exit_:
         pytest.fail(f"`python -m {shlex.join(words)}` does not parse (exit {exit_.code}): see stderr above")
     if args is not None and hasattr(args, "decode_context_parallel_size"):
-        ParallelConfig(args.tensor_parallel_size, args.decode_context_parallel_size,  # the rules' ValueError
-                       args.cp_kv_cache_interleave_size, args.dcp_comm_backend)
+        pc = ParallelConfig(args.tensor_parallel_size, args.decode_context_parallel_size,
+                            args.cp_kv_cache_interleave_size, args.dcp_comm_backend)
+        pc.check()  # the rules' ValueError
+        try:  # and the model's, where the page names one that is here
+            cfg = load_model_config(args.model)
+        except (ValueError, OSError):
+            return
+        pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
 
 
 def test_docs_show_command_lines():
@@ -174,6 +187,22 @@ def test_install_page_shows_what_make_demo_runs():
     make = " ".join(recipe.replace("\\\n", " ").replace("$(VENV)/bin/python", "python").split())
     shown = [" ".join(b.replace("\\\n", " ").split()) for b in _blocks(ROOT / "docs" / "install.md", "bash")]
     assert make in shown, f"docs/install.md does not show make demo's command: {make}"
+
+
+def test_make_demos_capacities_are_the_readmes():
+    """`make demo` fixes its KV bytes per device, so the capacities the README shows are what it prints
+    on every host (the CPU default, a share of the host's free memory, varied from run to run)."""
+    recipe = re.search(r"^demo:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.MULTILINE).group(1)
+    argv = recipe.replace("\\\n", " ").split()
+    assert "--kv-cache-memory-bytes" in argv, "make demo sizes its KV cache from the host's free memory"
+    args = EngineArgs.from_cli_args(generate.parse_args(argv[argv.index("dcpjax.generate") + 1:]))
+    cfg = load_model_config(args.model)
+    tokens = {dcp: kv_cache_layout(cfg, ParallelConfig(args.tensor_parallel_size, dcp), block_size=args.block_size,
+                                   bytes_per_device=args.kv_cache_memory_bytes, dtype=jnp.float32).num_blocks
+              * args.block_size * dcp for dcp in (1, args.decode_context_parallel_size)}
+    shown = f"KV capacity 3.00x ({tokens[3]:,} vs {tokens[1]:,} tokens)"
+    for page in (README, ROOT / "docs" / "install.md"):
+        assert shown in page.read_text(), f"{_name(page)} does not show make demo's capacities: {shown}"
 
 
 def test_architecture_layout_names_every_module():

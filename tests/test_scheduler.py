@@ -125,8 +125,9 @@ def test_finish_and_reset_free_every_block_and_slot():
 
 
 def test_a_bad_token_budget_is_refused():
-    with pytest.raises(ValueError, match="power of two, got 12"):
-        SchedulerConfig(max_model_len=64, max_num_batched_tokens=12)
+    with pytest.raises(ValueError, match="an integer >= 1, got 0"):
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=0)
+    assert SchedulerConfig(max_model_len=64, max_num_batched_tokens=12).max_num_batched_tokens == 12  # as vLLM
 
 
 def test_the_runner_gets_a_message_of_ids_counts_and_copied_block_ids():

@@ -81,7 +81,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of the subcommands (engine flags from `EngineArgs`); each takes --debug."""
-    p = argparse.ArgumentParser(prog="python -m dcpjax.bench", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m dcpjax.bench", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     throughput = sub.add_parser("throughput", help="offline generation speed and where each step's time goes")
     add_throughput_arguments(throughput)

@@ -41,7 +41,7 @@ ENGINE_FLAGS = ("num_cpu_devices", "tensor_parallel_size", "cp_kv_cache_interlea
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: a few engine flags (`EngineArgs`), the context length and batch."""
-    p = argparse.ArgumentParser(prog="python -m dcpjax.demo", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m dcpjax.demo", description=__doc__.split("\n\n")[0])
     EngineArgs.add_cli_args(p, include=ENGINE_FLAGS, defaults={"num_cpu_devices": 8, "tensor_parallel_size": 8})
     p.add_argument("--context-len", type=int, default=4096)
     p.add_argument("--batch", type=int, default=2)

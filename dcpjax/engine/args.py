@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import decimal
 import json
 import logging
+import re
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -21,7 +23,7 @@ from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
 from dcpjax.loader.model_source import BUILTIN_NAMES, LOAD_FORMATS
 from dcpjax.loader.quantized_source import QUANTIZATIONS
-from dcpjax.sampling import MAX_LOGPROBS
+from dcpjax.sampling import MAX_LOGPROBS, MAX_LOGPROBS_LIMIT
 from dcpjax.sharding.config import COMM_BACKENDS, ParallelConfig
 from dcpjax.spec_decode.config import SpeculativeConfig
 
@@ -32,10 +34,6 @@ Check = Callable[[Any], "str | None"]  # a problem with the value ("must be >= 1
 
 def _at_least(low: float) -> Check:
     return lambda value: None if value >= low else f"must be >= {low}"
-
-
-def _power_of_two(value: int) -> str | None:
-    return None if value >= 1 and value & (value - 1) == 0 else "must be a power of two"
 
 
 def _fraction(value: float) -> str | None:
@@ -52,12 +50,31 @@ def _speculative_problem(value: dict) -> str | None:
 
 def _arg(default: Any, help: str, *, kind: type = int, aliases: tuple[str, ...] = (),
          choices: Collection[str] | None = None, check: Check | None = None, default_help: str | None = None,
-         llm: bool = True) -> Any:
+         llm: bool = True, cli_values: Mapping[str, Any] | None = None, readable: bool = False) -> Any:
     """A field with what its CLI flag needs (`default_help`: what a None default means);
-    `llm=False`: not an `LLM(...)` argument."""
+    `llm=False`: not an `LLM(...)` argument; `cli_values`: words the flag takes for a value
+    (vLLM's, e.g. max_model_len's "auto"); `readable`: an integer flag takes vLLM's "32k" / "4G"."""
     metadata = dict(help=help, kind=kind, aliases=aliases, choices=tuple(choices) if choices else None,
-                    check=check, default_help=default_help, llm=llm)
+                    check=check, default_help=default_help, llm=llm, cli_values=dict(cli_values or {}),
+                    readable=readable)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+_READABLE = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+
+
+def readable_int(text: str) -> int:
+    """vLLM's human-readable integers: "32k" = 32,000, "32K" = 32,768 (k m g t: powers of 1000,
+    K M G T: of 1024), "25.6k" = 25,600; ValueError for anything else or a fraction left over."""
+    match = _READABLE.fullmatch(text.strip())
+    if not match:
+        raise ValueError(text)
+    number, suffix = match.groups()
+    scale = (1000 if suffix.islower() else 1024) ** ("kmgt".index(suffix.lower()) + 1) if suffix else 1
+    value = decimal.Decimal(number) * scale  # exact: 25.6 * 1000 is 25,600, not 25,600.000000000004
+    if value != int(value):
+        raise ValueError(text)
+    return int(value)
 
 
 def _problem(f: dataclasses.Field, value: Any) -> str | None:
@@ -84,15 +101,20 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
     kind = f.metadata["kind"]
 
     def parse(text: str) -> Any:
+        if text in f.metadata["cli_values"]:
+            return f.metadata["cli_values"][text]
+        if f.default is None and text in ("None", ""):  # vLLM's optional flags take "None": unset
+            return None
         try:
-            value = json.loads(text) if kind is dict else kind(text)
+            value = json.loads(text) if kind is dict else readable_int(text) if f.metadata["readable"] else kind(text)
             if kind is dict and not isinstance(value, dict):
                 raise ValueError
         except ValueError:
             if kind is dict:
                 raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}") from None
-            raise argparse.ArgumentTypeError(
-                f"expected {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            expected = "an integer (or 32k, 4G: k / K = 1000 / 1024)" if f.metadata["readable"] else \
+                "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         problem = None if f.metadata["choices"] else _problem(f, value)
         if problem:
             raise argparse.ArgumentTypeError(f"{problem}, got {text}")
@@ -114,15 +136,17 @@ class EngineArgs:
     decode_context_parallel_size: int = _arg(
         1, "DCP: splits the KV cache by token over this many of the TP devices", aliases=("-dcp",), check=_at_least(1))
     cp_kv_cache_interleave_size: int = _arg(
-        1, "I: token p lives on DCP rank (p // I) %% DCP", check=_at_least(1))
+        1, "I: token p lives on DCP rank (p // I) %% DCP", check=_at_least(1),
+        aliases=("--dcp-kv-cache-interleave-size",))  # vLLM's older name, kept there too
     dcp_comm_backend: str = _arg("ag_rs", "LSE merge over DCP: all_gather + psum_scatter, or one all_to_all",
                                  kind=str, choices=COMM_BACKENDS)
     dtype: str = _arg("auto", "weights and activations ('auto': bfloat16 on GPU/TPU, float32 on CPU)",
                       kind=str, choices=("auto", *DTYPES))
-    max_model_len: int | None = _arg(None, "longest prompt + output", check=_at_least(2),
-                                     default_help="the model's max_position_embeddings")
+    max_model_len: int | None = _arg(None, "longest prompt + output (32k = 32,000, 32K = 32,768; 'auto' or -1: the "
+                                     "model's)", check=_at_least(2), default_help="the model's max_position_embeddings",
+                                     readable=True, cli_values={"auto": None, "-1": None})
     kv_cache_memory_bytes: int | None = _arg(
-        None, "KV cache bytes per device", check=_at_least(1),
+        None, "KV cache bytes per device (4G = 4 GiB, 4g = 4e9)", check=_at_least(1), readable=True,
         default_help="--gpu-memory-utilization of device memory; on CPU a quarter of the host's available memory "
         "over this process's devices, at most what --max-num-seqs sequences of --max-model-len fill")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory for the KV cache when "
@@ -133,15 +157,17 @@ class EngineArgs:
                                   "where the shapes fit)", kind=str, choices=ATTENTION_BACKENDS)
     block_size: int = _arg(16, "tokens per KV block on each DCP rank", check=_at_least(1))
     max_num_seqs: int = _arg(64, "sequences running together", check=_at_least(1))
-    max_num_batched_tokens: int = _arg(256, "tokens per step, prefill chunks and decode tokens together "
-                                       "(a power of two)", check=_power_of_two)
+    max_num_batched_tokens: int = _arg(256, "tokens per step, prefill chunks and decode tokens together (any "
+                                       "value, 8k too; a step's model call pads to the next power of two)",
+                                       check=_at_least(1), readable=True)
     async_scheduling: bool = _arg(True, "keep the host one step ahead of the device", kind=bool)
     enable_prefix_caching: bool = _arg(True, "reuse the KV of prompt prefixes computed before, in blocks of "
                                        "block_size x DCP tokens (automatic prefix caching)", kind=bool)
     speculative_config: dict | None = _arg(  # noqa: RUF009 (a dataclasses.field whose default is None)
         None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
         "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", \"model\": \"tiny-llama\", "
-        "\"num_speculative_tokens\": 4}'", kind=dict, check=_speculative_problem, default_help="off")
+        "\"num_speculative_tokens\": 4}'", kind=dict, check=_speculative_problem, default_help="off",
+        aliases=("-sc",))
     seed: int = _arg(0, "seed of random weights and of unseeded sampling")
     orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
                                         "LLM.save_checkpoint, on any mesh)", kind=str)
@@ -149,8 +175,9 @@ class EngineArgs:
                             "on it), 'dummy' (random weights of the model's config)", kind=str, choices=LOAD_FORMATS)
     generation_config: str = _arg("auto", "default sampling parameters: 'auto' (the model folder's "
                                   "generation_config.json, if any), 'vllm' (vLLM's defaults) or a folder", kind=str)
-    max_logprobs: int = _arg(MAX_LOGPROBS, "the most logprobs / prompt_logprobs a request may ask for",
-                             check=_at_least(0))
+    max_logprobs: int = _arg(MAX_LOGPROBS, "the most logprobs / prompt_logprobs a request may ask for (-1: "
+                             f"as many as a request can, {MAX_LOGPROBS_LIMIT})", check=_at_least(0),
+                             cli_values={"-1": MAX_LOGPROBS_LIMIT})
     compilation_cache_dir: str | None = _arg(
         "auto", "JAX's persistent compilation cache folder, so a second start loads its steps instead of compiling "
         "them: 'auto' ($DCPJAX_COMPILATION_CACHE_DIR, else ~/.cache/dcpjax/jax), a folder, or 'none' (dcpjax sets "
@@ -163,7 +190,7 @@ class EngineArgs:
     quantization: str | None = _arg(None, "how weights are held on the devices: 'fp8' (fp8 block-scaled; an "
                                     "unquantized checkpoint quantized at load), 'gguf' (a GGUF file's own types), "
                                     "'none' (all dequantized into --dtype)", kind=str, aliases=("-q",),
-                                    choices=QUANTIZATIONS,
+                                    choices=QUANTIZATIONS, cli_values={"None": "auto"},  # vLLM's: detect
                                     default_help="as the checkpoint holds them; on CPU a GGUF is dequantized")
     num_cpu_devices: int = _arg(0, "fake this many CPU devices (0: real devices)", check=_at_least(0), llm=False)
 

@@ -47,9 +47,10 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def check_max_num_batched_tokens(tokens: int) -> None:
-    """The token budget is a power of two (prefill chunks are bucketed to powers of two)."""
-    if tokens < 1 or tokens & (tokens - 1):
-        raise ValueError(f"max_num_batched_tokens must be a power of two, got {tokens}")
+    """The token budget: any value >= 1, as vLLM takes it. A step schedules at most this many tokens;
+    its model call is padded up to the shape grid's next bucket (a power of two: 40 -> 64)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {tokens!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,14 @@ DCPJAX_DEBUG=1) shows the traceback of a user error too.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
+from dcpjax.engine.preflight import ConfigurationError
 from dcpjax.sharding.config import TooFewDevicesError
 
 USAGE_EXIT = 2  # argparse's status for a bad command line
@@ -22,6 +25,40 @@ USAGE_EXIT = 2  # argparse's status for a bad command line
 # system says about files, sockets and servers (OSError: FileNotFoundError, ConnectionRefusedError,
 # urllib's URLError, "address already in use").
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser whose command-line error is two short lines, not the whole usage first:
+    the error, with "did you mean" for a misspelled flag, then where the flags are listed."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = _did_you_mean(message, _flags(self))
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {message}{hint}\n{self.prog}: see --help for every flag\n")
+
+
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of `parser` and its subcommands (an unknown flag after a subcommand is reported
+    by the top parser)."""
+    flags = []
+    for action in parser._actions:
+        flags += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            flags += [f for sub in action.choices.values() for f in _flags(sub)]
+    return list(dict.fromkeys(flags))
+
+
+def _did_you_mean(message: str, flags: list[str]) -> str:
+    """" (did you mean --x?)" for each unrecognized flag in argparse's `message` that is near a real one."""
+    if not message.startswith("unrecognized arguments: "):
+        return ""
+    guesses = []
+    for word in message.removeprefix("unrecognized arguments: ").split():
+        flag = word.split("=", 1)[0]
+        if flag.startswith("-") and (close := difflib.get_close_matches(flag, flags, n=1, cutoff=0.7)):
+            guesses.append((flag, close[0]))
+    if len(guesses) == 1:
+        return f" (did you mean {guesses[0][1]}?)"
+    return f" ({'; '.join(f'{flag}: did you mean {close}?' for flag, close in guesses)})" if guesses else ""
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +93,10 @@ def configure_logging() -> None:
 
 def user_message(err: BaseException) -> str:
     """One line saying what is wrong and how to fix it."""
+    if isinstance(err, ConfigurationError):
+        needed = err.devices[0] if err.devices else 0
+        return err.message(device_fix=f"on CPU pass --num-cpu-devices {needed} (fake CPU devices), or lower "
+                                      "--tensor-parallel-size")
     if isinstance(err, TooFewDevicesError):
         return (f"tensor_parallel_size={err.needed} needs {err.needed} devices but {err.visible} are visible — on "
                 f"CPU pass --num-cpu-devices {err.needed} (fake CPU devices), or lower --tensor-parallel-size")

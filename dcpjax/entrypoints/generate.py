@@ -22,7 +22,9 @@ import time
 import dcpjax
 from dcpjax.engine.args import EngineArgs
 from dcpjax.entrypoints import cli
+from dcpjax.loader.model_source import BUILTIN_GGUF, has_random_weights
 
+PRETRAINED = next(iter(BUILTIN_GGUF))  # the built-in model with real weights (smollm2-135m-instruct)
 DEFAULT_PROMPTS = [
     "Decode context parallelism splits the KV cache by token position.",
     "The quick brown fox",
@@ -36,7 +38,7 @@ DEFAULT_CHAT_PROMPTS = [
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: the engine flags (`EngineArgs`), then prompts and sampling."""
-    p = argparse.ArgumentParser(prog="python -m dcpjax.generate", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m dcpjax.generate", description=__doc__.split("\n\n")[0])
     cli.add_model_positional(p)
     EngineArgs.add_cli_args(p)
     p.add_argument("--prompt", action="append", help="repeat for several prompts")
@@ -59,12 +61,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return cli.parse_with_model(build_parser(), argv)
 
 
+def say_if_random(engine_args: EngineArgs) -> None:
+    """First line of the output: the model's weights are random (a tiny built-in, load_format dummy)."""
+    if has_random_weights(engine_args.model, engine_args.load_format) and not engine_args.orbax_checkpoint:
+        print(f"note: {engine_args.model} has random weights, so the text below is noise by design; for real text "
+              f"run the built-in pretrained model: --model {PRETRAINED}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Generate (and compare with DCP 1); exit status 1 if greedy outputs differ."""
     args = parse_args(argv)
     cli.configure_logging()
     engine_args = EngineArgs.from_cli_args(args)
     engine_args.use_cpu_devices()
+    if not args.json:
+        say_if_random(engine_args)
 
     prompts = args.prompt or (DEFAULT_CHAT_PROMPTS if args.chat else DEFAULT_PROMPTS)
     params = dcpjax.SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

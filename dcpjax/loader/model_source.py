@@ -124,9 +124,15 @@ class ModelSource:
     is_gguf: bool = False  # the weights are a GGUF file's (quantization="gguf" holds its types)
     # what the weights hold: an fp8 checkpoint's quantization_config (random weights hold none)
     checkpoint_quantization: CheckpointQuantization | None = None
+    random_weights: bool = False  # a tiny built-in model or load_format="dummy": the text is noise
 
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # vLLM's names for the ones dcpjax reads
+
+
+def has_random_weights(model: str, load_format: str = "auto") -> bool:
+    """The model's weights are random (a built-in tiny model, or load_format="dummy"): its text is noise."""
+    return load_format == "dummy" or resolve(model)[0] == "tiny"
 
 
 def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None,
@@ -162,12 +168,12 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
         raise ValueError(f"model {model!r} is a JSON config without weights: pass a Hugging Face folder, a GGUF "
                          "file or a built-in model, or load_format='dummy' for random weights (configs/*.json are "
                          "for python -m dcpjax.plan)")
-    random = weights is None or load_format == "dummy"
+    random = has_random_weights(model, load_format)
     if random:
         weights = lambda: random_checkpoint(cfg, pc, seed)  # float: quantized at load as the model ships
     chosen = own_tokenizer() if own else load_tokenizer(tokenizer) if tokenizer is not None and with_tokenizer else None
     return ModelSource(cfg, chosen, weights, path if kind == "hf" else None, is_gguf=kind == "gguf" and not random,
-                       checkpoint_quantization=None if random else cfg.quantization)
+                       checkpoint_quantization=None if random else cfg.quantization, random_weights=random)
 
 
 _KIND_NAMES = {"tiny": "a built-in tiny model", "hf": "a Hugging Face folder", "gguf": "a GGUF file",

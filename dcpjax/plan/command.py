@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
+from dcpjax.engine.preflight import max_model_len_problem
 from dcpjax.entrypoints import cli
 from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
@@ -44,7 +45,7 @@ from dcpjax.plan.deployment import (
 )
 from dcpjax.sharding.config import ParallelConfig
 
-DEFAULT_TP, DEFAULT_DEVICE = 8, "h200"
+DEFAULT_TP, DEFAULT_DEVICE, DEFAULT_INPUT_LEN = 8, "h200", 8192
 
 
 def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
@@ -78,6 +79,46 @@ def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict) -> list
     return rows
 
 
+def default_tp(cfg: ModelConfig) -> tuple[int, str | None]:
+    """The TP when neither -tp nor a deployment file gives one: DEFAULT_TP if the model's heads
+    allow it, else the allowed TP nearest to it (ties: the smaller), with why (None: DEFAULT_TP)."""
+    allowed = planner.allowed_tps(cfg)
+    if DEFAULT_TP in allowed or not allowed:  # no TP at all: DEFAULT_TP's rows say why
+        return DEFAULT_TP, None
+    tp = min(allowed, key=lambda t: (abs(t - DEFAULT_TP), t))
+    heads = (f"does not divide the {cfg.num_attention_heads} query heads" if cfg.num_attention_heads % DEFAULT_TP
+             else f"does not split the {cfg.num_key_value_heads} KV heads evenly")
+    return tp, f"the default {DEFAULT_TP} {heads}; they allow TP {', '.join(map(str, allowed))}"
+
+
+def longest_sequence(cfg: ModelConfig) -> int:
+    """The most tokens (input + output) one sequence may have on this model: the end of the range
+    [2, n] of max_model_len the engine accepts, found with the engine's own rule
+    (`max_model_len_problem`: the model's positions, or a sliding window dcpjax does not implement)."""
+    low, high = 2, cfg.max_position_embeddings
+    while low < high:  # the accepted lengths are one range: bisect for its end
+        mid = (low + high + 1) // 2
+        low, high = (low, mid - 1) if max_model_len_problem(mid, cfg) else (mid, high)
+    return low
+
+
+def plan_workload(args: argparse.Namespace, cfg: ModelConfig) -> tuple[planner.Workload, str | None]:
+    """The workload to plan and, when the default --input-len was lowered to fit the model, why.
+    ValueError: a sequence longer than the engine runs this model at (it would refuse max_model_len)."""
+    longest, note = longest_sequence(cfg), None
+    input_len = args.input_len
+    if input_len is None:
+        input_len = max(1, min(DEFAULT_INPUT_LEN, longest - args.output_len))
+        if input_len < DEFAULT_INPUT_LEN:
+            note = f"the default input {DEFAULT_INPUT_LEN} lowered so a sequence fits the model's {longest:,} tokens"
+    total = input_len + args.output_len
+    if problem := max_model_len_problem(total, cfg):
+        raise ValueError(f"a sequence of {input_len} in + {args.output_len} out = {total:,} tokens is more than the "
+                         f"engine runs this model at ({problem}): lower --input-len or --output-len so they add up "
+                         f"to at most {longest:,}")
+    return planner.Workload(input_len, args.output_len, args.concurrency), note
+
+
 def _setting(args: argparse.Namespace, file: dict, key: str, default: object) -> object:
     """The flag if given, else the deployment file's value, else `default`."""
     flag = getattr(args, key)
@@ -97,7 +138,10 @@ def plan_model(args: argparse.Namespace) -> dict:
         cfg, file = model_and_defaults(args.model)
     except ValueError as err:
         raise ValueError(f"--model: {err}") from None
-    tp = _setting(args, file, "tensor_parallel_size", DEFAULT_TP)
+    tp, tp_note = _setting(args, file, "tensor_parallel_size", None), None
+    if tp is None:
+        tp, tp_note = default_tp(cfg)
+    work, input_note = plan_workload(args, cfg)
     weight_dtype = _setting(args, file, "weight_dtype", "float8_e4m3fn" if cfg.quantization else args.dtype)
     kv_name = _setting(args, file, "kv_cache_dtype", "bfloat16")
     device = planner.DEVICES[args.device or DEFAULT_DEVICE]
@@ -107,32 +151,34 @@ def plan_model(args: argparse.Namespace) -> dict:
     link = planner.LINKS[args.interconnect or device.link]
     link = dataclasses.replace(link, gbps=args.link_gbps or link.gbps,
                                latency_us=args.link_latency_us or link.latency_us)
-    workload = planner.Workload(args.input_len, args.output_len, args.concurrency)
-    setup = dict(device=device, link=link, workload=workload, kv_dtype=kv_dtype(kv_name),
+    setup = dict(device=device, link=link, workload=work, kv_dtype=kv_dtype(kv_name),
                  block_size=_setting(args, file, "block_size", 16), q_bytes=jnp.dtype(args.dtype).itemsize,
                  utilization=_setting(args, file, "memory_utilization", 0.9))
     rows = plan_rows(cfg, tp, weight_dtype, setup)
-    choice, reasons = planner.recommend(cfg, rows, link, workload)
+    choice, reasons = planner.recommend(cfg, rows, link, work)
     alternatives = [] if choice is not None else planner.what_would_fit(
-        cfg, rows, weight_dtype=weight_dtype, workload=workload,
+        cfg, rows, weight_dtype=weight_dtype, workload=work,
         rows_at=lambda t, w: plan_rows(cfg, t, w, setup))
     chosen = next((r for r in rows if r["dcp"] == choice), None)
     return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
             "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
             "from_file": _from_file(args, file),
+            "adjusted_defaults": {key: note for key, note in (("tensor_parallel_size", tp_note),
+                                                              ("input_len", input_note)) if note},
             "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
-            "workload": dataclasses.asdict(workload), "sizes": rows, "recommended_dcp": choice,
+            "workload": dataclasses.asdict(work), "sizes": rows, "recommended_dcp": choice,
             "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
             "what_would_fit": alternatives}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dcpjax.plan", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m dcpjax.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("configs", nargs="*", help="deployment JSON files (see configs/)")
     p.add_argument("--model", help="a Hugging Face folder, a config.json, a deployment file or a built-in model: "
                                    "plan every DCP size (default: none, plan the deployment files given)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int,
-                   help=f"devices of one replica (default: a deployment file's, else {DEFAULT_TP})")
+                   help=f"devices of one replica (default: a deployment file's, else {DEFAULT_TP}, or the TP "
+                        f"nearest {DEFAULT_TP} that the model's heads allow when they do not allow {DEFAULT_TP})")
     p.add_argument("--device", choices=sorted(planner.DEVICES),
                    help=f"device preset (default: {DEFAULT_DEVICE}, with a deployment file's memory)")
     p.add_argument("--memory-gb", type=float, help="device memory (default: a deployment file's, else the preset's)")
@@ -144,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"link preset (default: the device's: {links})")
     p.add_argument("--link-gbps", type=float, help="GB/s a device receives (default: the preset's)")
     p.add_argument("--link-latency-us", type=float, help="us per collective (default: the preset's)")
-    p.add_argument("--input-len", type=int, default=8192, help="prompt tokens per sequence (default: %(default)s)")
+    p.add_argument("--input-len", type=int,
+                   help=f"prompt tokens per sequence (default: {DEFAULT_INPUT_LEN}, or less so that input + output "
+                        "fit the model's max_position_embeddings)")
     p.add_argument("--output-len", type=int, default=512, help="generated tokens per sequence (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=32, help="sequences decoded at once (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=DTYPES,

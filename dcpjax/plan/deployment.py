@@ -72,7 +72,9 @@ def deployment_parallel(data: dict, path: str | pathlib.Path) -> ParallelConfig:
     if unknown := sorted(set(data["parallel"]) - known):
         raise ValueError(f"{path}: 'parallel' has unknown fields {unknown}; known: {', '.join(sorted(known))}")
     try:
-        return ParallelConfig(**data["parallel"])
+        parallel = ParallelConfig(**data["parallel"])
+        parallel.check()  # the sizes' own rules; the model's come with the model
+        return parallel
     except ValueError as err:
         raise ValueError(f"{path}: 'parallel': {err}") from None
 

@@ -147,16 +147,27 @@ def _sizes(rows: list[dict]) -> str:
     return ", ".join(str(r["dcp"]) for r in rows)
 
 
-def nothing_fits(rows: list[dict]) -> str:
-    """Why no DCP size runs, one clause per kind of rejection."""
-    parts = []
-    for kind in ("rules", "weights", "context"):
-        if group := [r for r in rows if r["rejected_by"] == kind]:
-            first = group[0]["rules_broken"][0]  # rules differ by size: the first size's is an example
+def rejections(rows: list[dict]) -> list[str]:
+    """Why each rejected DCP size of `rows` does not run, one clause per distinct reason: each size
+    named with its own first reason and its own numbers (sizes share a clause only when the words
+    are the same, e.g. a TP the query heads do not allow)."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if not r["valid"]:
+            groups.setdefault((r["rejected_by"], r["rules_broken"][0]), []).append(r)
+    clauses = []
+    for (kind, first), group in groups.items():
+        if kind == "rules":
             verb = "breaks" if len(group) == 1 else "break"
-            parts.append(f"DCP {_sizes(group)} {verb} the model's rules (DCP {group[0]['dcp']}: {first})"
-                         if kind == "rules" else f"DCP {_sizes(group)}: {first}")
-    return f"nothing fits at TP {rows[0]['tp']}: " + "; ".join(parts)
+            clauses.append(f"DCP {_sizes(group)} {verb} the model's rules ({first})")
+        else:
+            clauses.append(f"DCP {_sizes(group)}: {first}")
+    return clauses
+
+
+def nothing_fits(rows: list[dict]) -> str:
+    """Why no DCP size runs, one clause per size (or per sizes with the same reason)."""
+    return f"nothing fits at TP {rows[0]['tp']}: " + "; ".join(rejections(rows))
 
 
 def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload) -> tuple[int | None, list[str]]:
@@ -170,7 +181,7 @@ def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload
             kind = "MHA" if cfg.num_key_value_heads == cfg.num_attention_heads else "this model"
             return 1, [(f"model: {kind}: TP already splits every KV head, so there is no duplicate KV for DCP to "
                         "remove; DCP > 1 rejected")]
-        return only["dcp"], [f"model: only DCP {only['dcp']} fits; DCP {_sizes(others)}: {others[0]['rules_broken'][0]}"
+        return only["dcp"], [f"model: only DCP {only['dcp']} fits; " + "; ".join(rejections(others))
                              if others else f"model: DCP {only['dcp']}"]
     base = valid[0]
     best = max(valid, key=lambda r: max(r["tokens_per_second"].values()))  # ties: the smaller DCP
@@ -180,8 +191,8 @@ def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload
     gain = valid[-1]["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
     shape = f"{workload.concurrency} x ({workload.input_len} in + {workload.output_len} out)"
     reasons = [f"model: {attention}: DCP {valid[-1]['dcp']} holds {gain:.1f}x the tokens of DCP {base['dcp']}",
-               (f"workload: {shape}: {base['sequences_that_fit']} fit at DCP {base['dcp']}, "
-                f"{best['sequences_that_fit']} at DCP {best['dcp']}")]
+               f"workload: {shape}: {base['sequences_that_fit']} fit at DCP {base['dcp']}"
+               + (f", {best['sequences_that_fit']} at DCP {best['dcp']}" if best is not base else "")]
     if best["dcp"] > 1:
         comm = fastest_backend(best)
         share = 1 - best["hbm_seconds"] / best["step_seconds"][comm]
@@ -191,26 +202,47 @@ def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload
     return best["dcp"], reasons
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def allowed_tps(cfg: ModelConfig) -> list[int]:
+    """The TPs the model's heads allow (at DCP 1; the DCP sizes of each are its rows)."""
+    return ParallelConfig.valid_tp_sizes(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
+
+
+def _devices(tp: int) -> str:
+    return f"{tp} device" if tp == 1 else f"{tp} devices"
+
+
+def _out_of_memory(rows: list[dict]) -> bool:
+    """No size runs and memory is why: a smaller TP, with more weights and KV per device, cannot help."""
+    return not any(r["valid"] for r in rows) and any(r["rejected_by"] != "rules" for r in rows)
+
+
+def _tps_that_fit(cfg: ModelConfig, tp: int, memory_bound: bool, planned: Callable[[int], list[dict]]) -> list[dict]:
+    """The TPs other than `tp` that the heads allow and that fit, smallest first, each planned with
+    `planned(tp)`: the smallest larger one, and, unless `tp` ran out of memory, every smaller one
+    down to the first that does (planning builds the model once per DCP size: plan few TPs)."""
+    allowed, found = allowed_tps(cfg), []
+    for t in [] if memory_bound else sorted((t for t in allowed if t < tp), reverse=True):
+        rows = planned(t)
+        if fitting := [r for r in rows if r["valid"]]:
+            found.insert(0, (t, fitting))
+        elif _out_of_memory(rows):
+            break
+    for t in (t for t in allowed if t > tp):
+        if fitting := [r for r in planned(t) if r["valid"]]:
+            found.append((t, fitting))
+            break
+    return [{"change": "tensor_parallel_size", "value": t, "dcp": [r["dcp"] for r in fitting],
+             "text": f"devices: TP {t} ({_devices(t)}) fits, at DCP {_sizes(fitting)}"} for t, fitting in found]
 
 
 def what_would_fit(cfg: ModelConfig, rows: list[dict], *, weight_dtype: str, workload: Workload,
                    rows_at: Callable[[int, str], list[dict]]) -> list[dict]:
     """When no DCP size fits (`rows`, one TP): each change that alone makes one fit, found by
-    planning it with `rows_at(tp, weight_dtype)`: the smallest TP that fits below and above this
-    one (TP must divide the query heads), fp8 weights, and the longest input + output that fits.
+    planning it with `rows_at(tp, weight_dtype)`: the TPs the heads allow that fit (see
+    `_tps_that_fit`), fp8 weights, and the longest input + output that fits.
     Each entry: change, value, dcp (the sizes that then fit) and text."""
-    tp, found = rows[0]["tp"], []
-    # a smaller TP only grows each device's weights and KV per token: no help once memory is what ran out
-    memory_bound = any(r["rejected_by"] != "rules" for r in rows)
-    heads = _divisors(cfg.num_attention_heads)
-    for candidates in ([] if memory_bound else [t for t in heads if t < tp], [t for t in heads if t > tp]):
-        for t in candidates:  # the smallest that fits, below and above this TP
-            if fitting := [r for r in rows_at(t, weight_dtype) if r["valid"]]:
-                found.append({"change": "tensor_parallel_size", "value": t, "dcp": [r["dcp"] for r in fitting],
-                              "text": f"devices: TP {t} ({t} devices) fits, at DCP {_sizes(fitting)}"})
-                break
+    tp, memory_bound = rows[0]["tp"], _out_of_memory(rows)
+    found = _tps_that_fit(cfg, tp, memory_bound, lambda t: rows_at(t, weight_dtype))
     if memory_bound and weight_dtype != FP8 and (fitting := [r for r in rows_at(tp, FP8) if r["valid"]]):
         found.append({"change": "weight_dtype", "value": FP8, "dcp": [r["dcp"] for r in fitting],
                       "text": f"weights: {FP8} weights fit at TP {tp}, at DCP {_sizes(fitting)}"})
@@ -257,11 +289,22 @@ def kv_read_notes(rows: list[dict]) -> list[str]:
 
 def _setup_line(plan: dict) -> str:
     d, link, w = plan["device"], plan["link"], plan["workload"]
-    line = (f"{plan['model']}: TP {plan['tp']} on {d['name']} ({d['memory_gb']:g} GB, {plan['memory_utilization']:.0%} "
-            f"usable, {d['hbm_tbps']:g} TB/s), {link['name']} ({link['gbps']:g} GB/s, {link['latency_us']:g} us); "
-            f"weights {plan['weight_dtype']}, KV {plan['kv_cache_dtype']}; {w['concurrency']} x "
-            f"({w['input_len']} in + {w['output_len']} out)")
+    # a default the model does not allow was changed: say why beside the value used
+    why = plan.get("adjusted_defaults", {})
+    tp_why, input_why = (f" ({why['tensor_parallel_size']})" if "tensor_parallel_size" in why else "",
+                         f"; {why['input_len']}" if "input_len" in why else "")
+    line = (f"{plan['model']}: TP {plan['tp']}{tp_why} on {d['name']} ({d['memory_gb']:g} GB, "
+            f"{plan['memory_utilization']:.0%} usable, {d['hbm_tbps']:g} TB/s), {link['name']} ({link['gbps']:g} "
+            f"GB/s, {link['latency_us']:g} us); weights {plan['weight_dtype']}, KV {plan['kv_cache_dtype']}; "
+            f"{w['concurrency']} x ({w['input_len']} in + {w['output_len']} out{input_why})")
     return line + (f"; from the file: {', '.join(plan['from_file'])}" if plan["from_file"] else "")
+
+
+def alternative_lines(alternatives: list[dict]) -> list[str]:
+    """`what_would_fit`'s entries, one line each, but the TPs that fit together on one line."""
+    tps = [alt["text"].removeprefix("devices: ") for alt in alternatives if alt["change"] == "tensor_parallel_size"]
+    others = [alt["text"] for alt in alternatives if alt["change"] != "tensor_parallel_size"]
+    return [f"- {text}" for text in ([f"devices: {'; '.join(tps)}"] if tps else []) + others]
 
 
 def recommendation_lines(plan: dict) -> list[str]:
@@ -270,8 +313,8 @@ def recommendation_lines(plan: dict) -> list[str]:
     if choice is None:
         lines = ["Recommended: nothing fits", *(f"- {reason}" for reason in plan["reasons"]),
                  "What would fit (each change alone, planned):"]
-        return lines + ([f"- {alt['text']}" for alt in plan["what_would_fit"]] or [
-            ("- no TP that divides the query heads, fp8 weights or shorter context: a device with more memory "
+        return lines + (alternative_lines(plan["what_would_fit"]) or [
+            ("- no TP the heads allow, fp8 weights or shorter context: a device with more memory "
              "(--memory-gb)")])
     backend = f" with dcp_comm_backend={comm}" if choice > 1 else ""
     return [f"Recommended: DCP {choice}{backend}", *(f"- {reason}" for reason in plan["reasons"])]

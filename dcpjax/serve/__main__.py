@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 from dcpjax.engine.args import EngineArgs
@@ -25,7 +26,7 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser: the engine flags (`EngineArgs`), then the HTTP and multi-process ones."""
-    p = argparse.ArgumentParser(prog="python -m dcpjax.serve", description=__doc__.split("\n\n")[0])
+    p = cli.ArgumentParser(prog="python -m dcpjax.serve", description=__doc__.split("\n\n")[0])
     cli.add_model_positional(p)
     EngineArgs.add_cli_args(p)
     p.add_argument("--served-model-name", help="the name clients use (default: --model)")
@@ -84,8 +85,25 @@ def init_distributed(args: argparse.Namespace) -> None:
                                    process_id=args.process_id)
 
 
-def serve_http(args: argparse.Namespace, llm, channel) -> int:
-    """Process 0: the HTTP server over the engine, until SIGTERM/SIGINT (0) or an engine failure (1)."""
+def bind_port(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: a client meanwhile is refused, not left
+    waiting) before the model loads, so a busy port is a one-line error in a second rather than
+    after minutes of loading; uvicorn serves on it. OSError (exit 2) names the fix."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot serve on {host}:{port}: {err.strerror} — pass another --port (or "
+                                 "--host), or stop the process that holds it") from None
+    return sock
+
+
+def serve_http(args: argparse.Namespace, llm, channel, sock: socket.socket) -> int:
+    """Process 0: the HTTP server over the engine on `sock` (`bind_port`), until SIGTERM/SIGINT (0)
+    or an engine failure (1)."""
     import uvicorn
 
     from dcpjax.runner.compile_watch import compile_watch
@@ -106,13 +124,14 @@ def serve_http(args: argparse.Namespace, llm, channel) -> int:
     add_availability_guard(app, draining, engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     server = GracefulServer(config, engine, draining, args.shutdown_timeout)
-    logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, args.port, llm.max_model_len)
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    logger.info("serving %r on http://%s:%d (max_model_len %d)", name, args.host, port, llm.max_model_len)
     watch = compile_watch()
     logger.info("ready after %d XLA compiles and %d loads from the compilation cache %s (%.1f s building them)",
                 watch.compiled, watch.loaded, llm.compilation_cache_dir or "(off)", watch.seconds)
     llm.mark_ready()  # a step shape first seen from now on is logged and counted
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
     logger.info("stopped")
@@ -128,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
+    sock = bind_port(args.host, args.port) if args.process_id == 0 else None  # only process 0 serves HTTP
     init_distributed(args)
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     channel = None
@@ -138,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0
             logger.info("process %d following process 0", args.process_id)
             return follow(llm.engine, channel, args.process_id, args.failure_timeout)
-    return serve_http(args, llm, channel)
+    return serve_http(args, llm, channel, sock)
 
 
 if __name__ == "__main__":

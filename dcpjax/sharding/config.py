@@ -36,28 +36,16 @@ class ParallelConfig:
     dcp_comm_backend: str = "ag_rs"
 
     def __post_init__(self) -> None:
+        # Types and names only: whether the sizes fit each other and a model is
+        # `size_rule_violations` / `model_rule_violations`
+        # (one list of rules, so every list of valid sizes comes from the rules that accept).
         for name in ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
-        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
-        if tp % dcp != 0:
-            raise ValueError(
-                f"Rule 'tensor_parallel_size % decode_context_parallel_size == 0' failed: "
-                f"{tp} % {dcp} = {tp % dcp}. DCP re-uses TP ranks, so it must divide TP; "
-                f"valid decode_context_parallel_size for tensor_parallel_size={tp}: {_divisors(tp)}."
-            )
         if self.dcp_comm_backend not in COMM_BACKENDS:
             raise ValueError(
                 f"dcp_comm_backend must be one of {COMM_BACKENDS}, got {self.dcp_comm_backend!r}."
-            )
-        if self.dcp_comm_backend == "a2a" and dcp == 1:
-            larger = _divisors(tp)[1:]
-            raise ValueError(
-                "Rule 'dcp_comm_backend=\"a2a\" needs decode_context_parallel_size > 1' failed: "
-                "with DCP 1 there is nothing to exchange. Use dcp_comm_backend=\"ag_rs\", or set "
-                + (f"decode_context_parallel_size to one of {larger}." if larger
-                   else "tensor_parallel_size > 1 and DCP > 1.")
             )
 
     # -- derived sizes -----------------------------------------------------
@@ -79,8 +67,23 @@ class ParallelConfig:
         return self.tensor_parallel_size // self.decode_context_parallel_size
 
     # -- model rules --------------------------------------------------------
+    def size_rule_violations(self) -> list[str]:
+        """The rules between the sizes themselves, whatever the model, one sentence each."""
+        tp, dcp = self.tp, self.dcp
+        broken = []
+        if tp % dcp != 0:
+            broken.append(f"'tensor_parallel_size % decode_context_parallel_size == 0' failed: {tp} % {dcp} = "
+                          f"{tp % dcp} (DCP re-uses TP ranks, so it must divide TP).")
+        if self.dcp_comm_backend == "a2a" and dcp == 1:
+            broken.append("'dcp_comm_backend=\"a2a\" needs decode_context_parallel_size > 1' failed: with DCP 1 "
+                          "there is nothing to exchange (use dcp_comm_backend=\"ag_rs\", or DCP > 1).")
+        return broken
+
     def model_rule_violations(self, num_attention_heads: int, num_kv_heads: int, use_mla: bool = False) -> list[str]:
-        """Every model rule this configuration breaks, one sentence each (empty if valid)."""
+        """Every rule this configuration breaks for this model, the size rules first, one sentence
+        each (empty if valid)."""
+        if broken := self.size_rule_violations():
+            return broken
         tp, dcp, groups = self.tp, self.dcp, self.kv_head_groups
         q, kv = num_attention_heads, (1 if use_mla else num_kv_heads)
         if q < 1 or kv < 1 or q % kv != 0:
@@ -123,6 +126,23 @@ class ParallelConfig:
                 valid.append(d)
         return valid
 
+    def check(self) -> None:
+        """Raise `ValueError` if the sizes break a rule whatever the model (a mesh needs this much;
+        `validate` checks a model's rules too, and lists the sizes valid for it)."""
+        if broken := self.size_rule_violations():
+            valid = [d for d in _divisors(self.tp)
+                     if not dataclasses.replace(self, decode_context_parallel_size=d,
+                                                dcp_comm_backend=self.dcp_comm_backend if d > 1 else "ag_rs")
+                     .size_rule_violations()]
+            raise ValueError(f"Rule {' Rule '.join(broken).removesuffix('.')} — valid decode_context_parallel_size "
+                             f"for tensor_parallel_size={self.tp} (before a model's own rules): {valid}.")
+
+    @staticmethod
+    def valid_tp_sizes(num_attention_heads: int, num_kv_heads: int, use_mla: bool = False) -> list[int]:
+        """TP sizes that run this model (at DCP 1; `valid_dcp_sizes` then says which DCP sizes)."""
+        return [t for t in _divisors(num_attention_heads)
+                if not ParallelConfig(t).model_rule_violations(num_attention_heads, num_kv_heads, use_mla)]
+
     def validate(self, num_attention_heads: int, num_kv_heads: int, use_mla: bool = False) -> None:
         """Raise `ValueError` if this configuration cannot run the model.
 
@@ -139,7 +159,8 @@ class ParallelConfig:
         hint = (
             f"valid decode_context_parallel_size for tensor_parallel_size={self.tp}: {valid}"
             if valid
-            else f"no decode_context_parallel_size works at tensor_parallel_size={self.tp}; choose another TP"
+            else f"no decode_context_parallel_size works at tensor_parallel_size={self.tp}; the model allows "
+            f"tensor_parallel_size {self.valid_tp_sizes(num_attention_heads, num_kv_heads, use_mla)}"
         )
         raise ValueError(
             f"tensor_parallel_size={self.tp}, decode_context_parallel_size={self.dcp} cannot run a model "

@@ -161,8 +161,10 @@ def make_mesh(pc: ParallelConfig, devices: Sequence[jax.Device] | None = None) -
         TP ranks 0..TP-1 (default: `jax.devices()`).
 
     Raises:
-      ValueError: fewer devices than `tensor_parallel_size`.
+      ValueError: the sizes break a rule (`ParallelConfig.check`), or fewer devices than
+        `tensor_parallel_size` (`TooFewDevicesError`).
     """
+    pc.check()  # DCP divides TP (a model's own rules are `pc.validate`'s)
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < pc.tp:
         raise TooFewDevicesError(pc.tp, len(devices),

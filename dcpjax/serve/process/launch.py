@@ -91,7 +91,9 @@ class ServerProcess:
         tail = self.log_tail()
         self.stop(timeout=5)
         if usage:
-            last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
+            lines = [line for line in tail.splitlines() if line.strip()]
+            # the error line itself, not the "see --help" pointer argparse's error ends with
+            last = [line for line in lines if "error: " in line][-1:] or lines[-1:] or [""]
             error = ServerUsageError(f"{what}: {last[0].strip()}; its output ends with:\n{tail}")
             error.summary = f"the server did not start: {last[0].strip()}"
             raise error
