@@ -59,7 +59,8 @@ class LLM:
         weights: "tiny-llama" (the default), "tiny-qwen3", "tiny-deepseek".
       tokenizer: a Hugging Face folder whose tokenizer replaces the model's own.
       tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
-      dcp_comm_backend: see `ParallelConfig`.
+      dcp_comm_backend, enable_expert_parallel: see `ParallelConfig` (expert parallelism: routed
+        experts whole over the TP devices, docs/models.md#expert-parallelism).
       dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "bfloat16", "float32", "float16".
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       kv_cache_memory_bytes: KV bytes per device (default: gpu_memory_utilization of device
@@ -115,6 +116,7 @@ class LLM:
         decode_context_parallel_size: int = 1,
         cp_kv_cache_interleave_size: int = 1,
         dcp_comm_backend: str = "ag_rs",
+        enable_expert_parallel: bool = False,
         dtype: str = "auto",
         max_model_len: int | None = None,
         kv_cache_memory_bytes: int | None = None,
@@ -140,7 +142,7 @@ class LLM:
     ):
         del trust_remote_code  # accepted for vLLM's command lines (see the docstring)
         parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
-                                  dcp_comm_backend)
+                                  dcp_comm_backend, enable_expert_parallel)
         config = EngineConfig(
             model=model, tokenizer=tokenizer, parallel=parallel, dtype=dtype, max_model_len=max_model_len,
             kv_cache_memory_bytes=kv_cache_memory_bytes, kv_cache_dtype=kv_cache_dtype,

@@ -1,6 +1,7 @@
 """The benchmark scripts still run (tiny sizes; numbers are not asserted here)."""
 
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -152,3 +153,11 @@ def test_compile_after_ready_smoke():
                "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--requests", "24", "--max-prompt-chars", "40")
     assert "start 2: ready in" in out and "0 XLA compiles" in out.splitlines()[2]
     assert "0 failed; XLA compiles while serving: 0; step compilations after ready: 0" in out
+
+
+def test_expert_parallel_benchmark_counts_what_the_formula_says():
+    rows = json.loads(_run("benchmarks/expert_parallel.py", "--tokens", "16", "--json"))
+    assert [r["experts"] for r in rows] == ["tensor-parallel", "EP"]
+    for r in rows:  # the compiled layer's collectives are the one reduction, EP or not
+        assert r["hlo_collective_bytes"] == pytest.approx(r["formula_bytes"], rel=0.05)
+    assert rows[1]["routed_flops_per_device"] > rows[0]["routed_flops_per_device"]  # EP's busiest device

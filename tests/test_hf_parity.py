@@ -84,14 +84,38 @@ PARAMS = (
 )
 
 
+# expert parallelism (routed experts whole on their devices): TP 8 at DCP 1, 2, 4 (and 8 for MLA), both
+# kernels, fp8 experts too; each model's first case on both Pythons, the others newest-jax only
+EP_CASES = {
+    "qwen3-moe": [(8, 1, 1, "ag_rs", "reference"), (8, 2, 2, "a2a", "pallas"), (8, 4, 1, "ag_rs", "reference")],
+    "deepseek-v3": [(8, 8, 1, "a2a", "reference"), (8, 1, 1, "ag_rs", "pallas"), (8, 2, 2, "ag_rs", "reference"),
+                    (8, 4, 1, "a2a", "pallas")],
+    "qwen3-next": [(8, 4, 2, "a2a", "reference"), (8, 1, 1, "ag_rs", "reference"), (8, 2, 1, "a2a", "pallas")],
+    "deepseek-v3-fp8": [(8, 8, 2, "a2a", "reference")],
+    "qwen3-moe-fp8": [(8, 4, 1, "ag_rs", "pallas")],
+}
+EP_PARAMS = [pytest.param(name, *case, marks=[pytest.mark.e2e] if i else [])
+             for name, cases in EP_CASES.items() for i, case in enumerate(cases)]
+
+
 @pytest.mark.parametrize("name, tp, dcp, interleave, comm, backend", PARAMS)
 def test_greedy_tokens_and_logprobs_match_transformers(name, tp, dcp, interleave, comm, backend):
+    check_against_transformers(name, tp, dcp, interleave, comm, backend)
+
+
+@pytest.mark.parametrize("name, tp, dcp, interleave, comm, backend", EP_PARAMS)
+def test_expert_parallel_matches_transformers(name, tp, dcp, interleave, comm, backend):
+    check_against_transformers(name, tp, dcp, interleave, comm, backend, enable_expert_parallel=True)
+
+
+def check_against_transformers(name, tp, dcp, interleave, comm, backend, **engine):
+    """The fixture's prompts: greedy tokens identical, top-5 logprobs of every step within 1e-3."""
     folder = FIXTURES / name
     expected = json.loads((folder / "expected.json").read_text())["cases"]
     llm = dcpjax.LLM(
         str(folder), tensor_parallel_size=tp, decode_context_parallel_size=dcp,
         cp_kv_cache_interleave_size=interleave, dcp_comm_backend=comm, attention_backend=backend,
-        block_size=4 * interleave, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20,
+        block_size=4 * interleave, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, **engine,
     )
     params = dcpjax.SamplingParams(temperature=0, max_tokens=20, logprobs=5)
     outputs = llm.generate([{"prompt_token_ids": case["prompt"]} for case in expected], params)

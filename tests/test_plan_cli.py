@@ -5,6 +5,7 @@ import argparse
 import json
 import re
 
+import numpy as np
 import pytest
 
 from dcpjax.engine.preflight import max_model_len_problem
@@ -229,3 +230,55 @@ def test_every_tp_the_heads_allow_that_fits_is_on_one_line(tmp_path, capsys):
     assert plan.main(["--model", path, "-tp", "8"]) == 0
     assert ("\n- devices: TP 1 (1 device) fits, at DCP 1; TP 3 (3 devices) fits, at DCP 1; TP 9 (9 devices) fits, "
             "at DCP 1, 3\n") in capsys.readouterr().out
+
+
+# -- expert parallelism -------------------------------------------------------------------------------
+def test_moe_plans_compare_tensor_parallel_experts_with_ep(capsys):
+    """The tiny DeepSeek-V3 (8 experts, top-2) at TP 8: both layouts side by side, the same weights (one
+    expert a device either way) and the same collective bytes (one reduction either way). One sequence
+    activates a quarter of the experts, and EP's busiest device reads a whole one where TP experts read
+    a quarter; 32 sequences activate every expert and the reads are equal."""
+    fixture = ("--model", "tests/fixtures/deepseek-v3", "--input-len", "128", "--output-len", "64")
+    small = _plan(capsys, *fixture, "--concurrency", "1")["experts"]
+    tp_row, ep_row = small["rows"]
+    assert tp_row["weight_bytes_per_device"] == ep_row["weight_bytes_per_device"]
+    assert tp_row["moe_collective_bytes_per_step"] == ep_row["moe_collective_bytes_per_step"] > 0
+    # top-2 over 8 devices: a dispatch by all_to_all (2 x 2 / 8 + 7/8 of the tokens) would move less than the
+    # reduction (2 x 7/8); DeepSeek-V3's top-8 moves more (below)
+    assert ep_row["all_to_all_bytes_per_step"] == 0.75 * ep_row["moe_collective_bytes_per_step"]
+    assert ep_row["expert_read_bytes_per_step"] > 3 * tp_row["expert_read_bytes_per_step"]
+    assert small["recommended_expert_parallel"] is False
+    large = _plan(capsys, *fixture, "--concurrency", "32")["experts"]
+    tp_row, ep_row = large["rows"]
+    assert ep_row["expert_read_bytes_per_step"] == pytest.approx(tp_row["expert_read_bytes_per_step"], rel=1e-3)
+    assert large["recommended_expert_parallel"] is True
+
+
+def test_the_deepseek_deployment_shows_both_and_recommends(capsys):
+    assert cli.run(plan.main, ["--model", "configs/deepseek-v3-tp8-dcp8.json"]) == 0
+    out = capsys.readouterr().out
+    assert "| tensor-parallel |" in out and "| EP (whole experts) |" in out
+    assert "- experts: tensor-parallel, EP's busiest device reads" in out  # 32 sequences: few experts each step
+    plan_json = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--input-len", "1024")
+    ep_row = plan_json["experts"]["rows"][1]  # top-8 over 8 devices: a dispatch would move 1.5x the reduction
+    assert ep_row["all_to_all_bytes_per_step"] == pytest.approx(1.5 * ep_row["moe_collective_bytes_per_step"])
+
+
+def test_ep_on_a_dense_model_is_one_line(capsys):
+    assert "--enable-expert-parallel needs routed experts, and LlamaForCausalLM has none" in _error(
+        capsys, ["--model", "tiny-llama", "--enable-expert-parallel"])
+    assert _plan(capsys, "--model", "tiny-llama")["experts"] is None
+
+
+def test_the_busiest_device_expectation_is_exact():
+    """E[max of two devices' Binomial(3, p)], by enumerating every outcome; one device: the mean."""
+    from itertools import product
+
+    from dcpjax.plan.experts import expected_busiest
+
+    p = 0.3
+    chance = lambda bits: np.prod([p if b else 1 - p for b in bits])
+    brute = sum(chance(a) * chance(b) * max(sum(a), sum(b)) for a in product((0, 1), repeat=3)
+                for b in product((0, 1), repeat=3))
+    assert expected_busiest(3, 2, p) == pytest.approx(brute)
+    assert expected_busiest(5, 1, p) == pytest.approx(5 * p)

@@ -140,6 +140,8 @@ class EngineArgs:
         aliases=("--dcp-kv-cache-interleave-size",))  # vLLM's older name, kept there too
     dcp_comm_backend: str = _arg("ag_rs", "LSE merge over DCP: all_gather + psum_scatter, or one all_to_all",
                                  kind=str, choices=COMM_BACKENDS)
+    enable_expert_parallel: bool = _arg(False, "place routed experts whole over the TP devices (EP size = TP) "
+                                        "instead of splitting each one; MoE models only", kind=bool)
     dtype: str = _arg("auto", "weights and activations ('auto': bfloat16 on GPU/TPU, float32 on CPU)",
                       kind=str, choices=("auto", *DTYPES))
     max_model_len: int | None = _arg(None, "longest prompt + output (32k = 32,000, 32K = 32,768; 'auto' or -1: the "
@@ -264,7 +266,7 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         """The `ParallelConfig` of these arguments (raises ValueError naming a broken rule)."""
         return ParallelConfig(self.tensor_parallel_size, self.decode_context_parallel_size,
-                              self.cp_kv_cache_interleave_size, self.dcp_comm_backend)
+                              self.cp_kv_cache_interleave_size, self.dcp_comm_backend, self.enable_expert_parallel)
 
     def llm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `LLM(...)`."""
@@ -281,7 +283,7 @@ class EngineArgs:
         """These arguments as one checked `EngineConfig` (raises ValueError naming a broken rule)."""
         values = self.llm_kwargs()
         for name in ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "dcp_comm_backend", "speculative_config", "trust_remote_code"):
+                     "dcp_comm_backend", "enable_expert_parallel", "speculative_config", "trust_remote_code"):
             del values[name]  # grouped below, or accepted only for vLLM's command lines
         return EngineConfig(parallel=self.parallel_config(),
                             speculative=SpeculativeConfig.from_dict(self.speculative_config), **values)

@@ -57,11 +57,20 @@ def layout_problem(pc: ParallelConfig, cfg: ModelConfig) -> str | None:
     return None
 
 
+def expert_parallel_problem(pc: ParallelConfig, cfg: ModelConfig) -> str | None:
+    """Expert parallelism asked of a model without routed experts, or None."""
+    if pc.enable_expert_parallel and not (cfg.num_experts and cfg.sparse_layers):
+        return (f"enable_expert_parallel needs routed experts, and {cfg.architecture} has none (a dense model): "
+                "leave --enable-expert-parallel off")
+    return None
+
+
 def check_configuration(pc: ParallelConfig, cfg: ModelConfig, max_model_len: int | None, num_devices: int,
                         platform: str) -> int:
     """Every problem of running `cfg` on `pc` over `num_devices` devices of `platform`, raised at
     once as a `ConfigurationError`; else the max_model_len to run (the model's when None)."""
-    problems = [p for p in (layout_problem(pc, cfg), max_model_len_problem(max_model_len, cfg)) if p]
+    problems = [p for p in (layout_problem(pc, cfg), expert_parallel_problem(pc, cfg),
+                            max_model_len_problem(max_model_len, cfg)) if p]
     devices = (pc.tp, num_devices, platform) if num_devices < pc.tp else None
     if problems or devices:
         raise ConfigurationError(problems, devices)

@@ -25,7 +25,7 @@ from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, mla_attention_rules, mlp_rules
 from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
 from dcpjax.models.family import ModelFamily
-from dcpjax.models.layers import GatedMLP, RMSNorm, out_projection, param, routed_experts
+from dcpjax.models.layers import GatedMLP, RMSNorm, expert_axes, out_projection, param, routed_experts
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.models.weight_rules import Rule, same
 from dcpjax.sharding.config import ParallelConfig
@@ -107,9 +107,10 @@ class GroupedTopKMoE(nnx.Module):
         hidden, experts, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.router = param((hidden, experts), ("embed", None), jnp.float32)
         self.correction_bias = param((experts,), (None,), jnp.float32, init="zeros")
-        self.gate = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
-        self.up = param((experts, hidden, inter), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
-        self.down = param((experts, inter, hidden), ("experts", "moe_ffw", "embed"), dtype, pc=pc)
+        self.gate = param((experts, hidden, inter), expert_axes(pc), dtype, pc=pc)
+        self.up = param((experts, hidden, inter), expert_axes(pc), dtype, pc=pc)
+        self.down = param((experts, inter, hidden), expert_axes(pc, down=True), dtype, pc=pc)
+        self.expert_parallel = pc.enable_expert_parallel
         self.shared = GatedMLP(hidden, inter * cfg.n_shared_experts, dtype, pc) if cfg.n_shared_experts else None
         self.top_k, self.groups, self.top_groups = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
@@ -133,7 +134,8 @@ class GroupedTopKMoE(nnx.Module):
     def __call__(self, x):
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route(flat)
-        routed = routed_experts(flat, chosen, weights, self.gate[...], self.up[...], self.down[...])
+        routed = routed_experts(flat, chosen, weights, self.gate[...], self.up[...], self.down[...],
+                                self.expert_parallel)
         out = reduce_model(routed).reshape(x.shape)
         return out if self.shared is None else out + self.shared(x)
 

@@ -23,8 +23,9 @@ from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 # Axes where zeros past the true size change nothing, so a size the mesh cannot split evenly
 # is rounded up instead of refused:
 #   ffw / moe_ffw: padded gate and up columns give silu(0) * 0 = 0, padded down rows add 0;
-#   vocab: padded embedding rows are never looked up, padded logits are dropped.
-PADDABLE_AXES = ("ffw", "moe_ffw", "vocab")
+#   vocab: padded embedding rows are never looked up, padded logits are dropped;
+#   ep_experts: padded experts are never routed (the router scores only the real ones).
+PADDABLE_AXES = ("ffw", "moe_ffw", "vocab", "ep_experts")
 
 
 # Weights held quantized want each device's share of a padded axis in whole quantization groups
@@ -164,21 +165,40 @@ def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:
     return full[..., :vocab_size]
 
 
-def routed_experts(x, experts, weights, w_gate, w_up, w_down):
+def expert_axes(pc: ParallelConfig, down: bool = False) -> tuple[str | None, ...]:
+    """Logical axes of a stacked routed-expert weight, [experts, hidden, ffw] (gate, up) or
+    [experts, ffw, hidden] (`down`): tensor-parallel experts split every expert's FFW over all TP
+    devices; with `pc.enable_expert_parallel` each device holds whole experts, E / TP of them."""
+    experts, ffw = ("ep_experts", None) if pc.enable_expert_parallel else ("experts", "moe_ffw")
+    return (experts, ffw, "embed") if down else (experts, "embed", ffw)
+
+
+def routed_experts(x, experts, weights, w_gate, w_up, w_down, expert_parallel: bool = False):
     """Each token through its chosen experts, weighted (grouped matmuls, no dense E x work).
 
-    x [N, hidden]; experts, weights [N, k]; w_gate, w_up [E, hidden, I]; w_down [E, I, hidden],
-    I being this device's share of each expert's FFW. Returns [N, hidden] (this device's
-    partial sum when I is sharded).
+    x [N, hidden] (replicated); experts, weights [N, k] (global expert ids); w_gate, w_up
+    [E_local, hidden, I]; w_down [E_local, I, hidden]. Tensor-parallel experts: E_local = E and I
+    is this device's share of each expert's FFW. `expert_parallel`: this device holds whole experts
+    E_local * rank ... E_local * (rank + 1) - 1 and runs only the token copies routed to them.
+    Returns [N, hidden], this device's partial sum: the caller's reduction over all TP devices
+    completes it either way (nothing is dropped: every copy is some device's).
     """
-    top_k = experts.shape[1]
-    flat = experts.reshape(-1)
+    top_k, local = experts.shape[1], w_gate.shape[0]
+    flat, weight = experts.reshape(-1), weights.reshape(-1)
+    if expert_parallel and jax.lax.axis_size(MODEL_AXES) > 1:
+        flat = flat - jax.lax.axis_index(MODEL_AXES) * local
+        mine = (flat >= 0) & (flat < local)
+        # another device's copies sort last, past every group (`local` is no group: bincount drops it)
+        flat, weight = jnp.where(mine, flat, local), jnp.where(mine, weight, 0)
     order = jnp.argsort(flat)  # group token copies by expert
     rows = order // top_k
-    sizes = jnp.bincount(flat, length=w_gate.shape[0]).astype(jnp.int32)
+    sizes = jnp.bincount(flat, length=local).astype(jnp.int32)
     grouped = x[rows]
     hidden = jax.nn.silu(jax.lax.ragged_dot(grouped, w_gate, sizes)) * jax.lax.ragged_dot(grouped, w_up, sizes)
-    out = jax.lax.ragged_dot(hidden, w_down, sizes) * weights.reshape(-1)[order][:, None].astype(x.dtype)
+    out = jax.lax.ragged_dot(hidden, w_down, sizes)
+    # rows past the groups (other devices' copies) weigh 0; `where`, not a product: their values are the kernel's
+    sorted_weight = weight[order][:, None]
+    out = jnp.where(sorted_weight != 0, out * sorted_weight.astype(x.dtype), 0)
     return jnp.zeros_like(x).at[rows].add(out)
 
 
@@ -190,10 +210,10 @@ class SparseMoE(nnx.Module):
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool, dtype,
                  pc: ParallelConfig, shared_intermediate: int = 0):
         self.router = param((hidden, num_experts), ("embed", None), dtype)
-        self.gate = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
-        self.up = param((num_experts, hidden, intermediate), ("experts", "embed", "moe_ffw"), dtype, pc=pc)
-        self.down = param((num_experts, intermediate, hidden), ("experts", "moe_ffw", "embed"), dtype, pc=pc)
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = param((num_experts, hidden, intermediate), expert_axes(pc), dtype, pc=pc)
+        self.up = param((num_experts, hidden, intermediate), expert_axes(pc), dtype, pc=pc)
+        self.down = param((num_experts, intermediate, hidden), expert_axes(pc, down=True), dtype, pc=pc)
+        self.top_k, self.norm_topk_prob, self.expert_parallel = top_k, norm_topk_prob, pc.enable_expert_parallel
         self.shared = GatedMLP(hidden, shared_intermediate, dtype, pc) if shared_intermediate else None
         self.shared_gate = param((hidden, 1), ("embed", None), dtype) if shared_intermediate else None
 
@@ -204,7 +224,8 @@ class SparseMoE(nnx.Module):
         weights, experts = jax.lax.top_k(probs, self.top_k)
         if self.norm_topk_prob:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        out = routed_experts(flat, experts, weights, self.gate[...], self.up[...], self.down[...])
+        out = routed_experts(flat, experts, weights, self.gate[...], self.up[...], self.down[...],
+                             self.expert_parallel)
         if self.shared is not None:  # both partial sums, then one reduction
             out = out + jax.nn.sigmoid(flat @ self.shared_gate[...]) * self.shared.partial(flat)
         return reduce_model(out).reshape(x.shape)

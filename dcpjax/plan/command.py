@@ -29,7 +29,7 @@ from dcpjax.entrypoints import cli
 from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
-from dcpjax.plan import planner
+from dcpjax.plan import experts, planner
 from dcpjax.plan.deployment import (
     DTYPES,
     GB,
@@ -68,11 +68,11 @@ def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
     return deployment_model(data, path), defaults
 
 
-def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict) -> list[dict]:
+def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict, expert_parallel: bool = False) -> list[dict]:
     """`planner.plan_size` of every DCP size (each divisor of `tp`); `setup`: its other arguments."""
     rows = []
     for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
-        pc = ParallelConfig(tp, dcp)
+        pc = ParallelConfig(tp, dcp, enable_expert_parallel=expert_parallel)
         problems = layout_problems(cfg, pc)
         weights = 0 if problems else weight_bytes_per_device(cfg, pc, weight_dtype)
         rows.append(planner.plan_size(cfg, pc, weight_bytes=weights, problems=problems, **setup))
@@ -154,12 +154,19 @@ def plan_model(args: argparse.Namespace) -> dict:
     setup = dict(device=device, link=link, workload=work, kv_dtype=kv_dtype(kv_name),
                  block_size=_setting(args, file, "block_size", 16), q_bytes=jnp.dtype(args.dtype).itemsize,
                  utilization=_setting(args, file, "memory_utilization", 0.9))
-    rows = plan_rows(cfg, tp, weight_dtype, setup)
+    ep = args.enable_expert_parallel
+    if ep and not (cfg.num_experts and cfg.sparse_layers):
+        raise ValueError(f"--enable-expert-parallel needs routed experts, and {cfg.architecture} has none (a dense "
+                         "model): leave it off")
+    rows = plan_rows(cfg, tp, weight_dtype, setup, ep)
     choice, reasons = planner.recommend(cfg, rows, link, work)
     alternatives = [] if choice is not None else planner.what_would_fit(
         cfg, rows, weight_dtype=weight_dtype, workload=work,
-        rows_at=lambda t, w: plan_rows(cfg, t, w, setup))
+        rows_at=lambda t, w: plan_rows(cfg, t, w, setup, ep))
     chosen = next((r for r in rows if r["dcp"] == choice), None)
+    expert_plan = plan_experts(cfg, chosen, tp, weight_dtype, setup, link) if chosen and cfg.sparse_layers else None
+    if expert_plan:
+        reasons = [*reasons, expert_plan["reason"]]
     return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
             "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
             "from_file": _from_file(args, file),
@@ -168,7 +175,19 @@ def plan_model(args: argparse.Namespace) -> dict:
             "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
             "workload": dataclasses.asdict(work), "sizes": rows, "recommended_dcp": choice,
             "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
-            "what_would_fit": alternatives}
+            "what_would_fit": alternatives, "experts": expert_plan}
+
+
+def plan_experts(cfg: ModelConfig, row: dict, tp: int, weight_dtype: str, setup: dict, link) -> dict:
+    """Tensor-parallel experts against EP at the recommended row (`plan.experts`), and the choice."""
+    weights = {ep: weight_bytes_per_device(cfg, ParallelConfig(tp, row["dcp"], enable_expert_parallel=ep),
+                                           weight_dtype) for ep in (False, True)}
+    dtype_bytes = 1 if weight_dtype == planner.FP8 else jnp.dtype(weight_dtype).itemsize
+    rows = experts.compare(cfg, row, tp=tp, weights=weights, weight_dtype=weight_dtype, dtype_bytes=dtype_bytes,
+                           act_bytes=setup["q_bytes"], hbm_tbps=setup["device"].hbm_tbps, link_gbps=link.gbps,
+                           comm=planner.fastest_backend(row))
+    recommended, reason = experts.choose(rows)
+    return {"batch": row["batch"], "rows": rows, "recommended_expert_parallel": recommended, "reason": reason}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
                    help="KV cache entries (default: a deployment file's, else bfloat16)")
     p.add_argument("--block-size", type=int, help="KV tokens per block (default: a deployment file's, else 16)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="plan the table with routed experts whole over the TP devices (MoE models; the experts "
+                        "section compares both either way)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     cli.add_debug_flag(p)
     return p
@@ -223,7 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(markdown_rows(args.configs)))
     if args.model is not None:
         plan = plan_model(args)
-        print(json.dumps(plan, indent=1, default=str) if args.json else planner.plan_table(plan))
+        print(json.dumps(plan, indent=1, default=str) if args.json else
+              planner.plan_table(plan, sections=experts.table_lines(plan)))
     return 0
 
 

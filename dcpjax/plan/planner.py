@@ -320,7 +320,9 @@ def recommendation_lines(plan: dict) -> list[str]:
     return [f"Recommended: DCP {choice}{backend}", *(f"- {reason}" for reason in plan["reasons"])]
 
 
-def plan_table(plan: dict) -> str:
+def plan_table(plan: dict, sections: list[str] = ()) -> str:
+    """The plan as text: the setup, the table and its legend, `sections` (e.g. the experts'), then
+    the recommendation."""
     header = ("| DCP | verdict | KV tokens | fit | batch | KV read / step / device "
               "| collectives / step / device (ag_rs, a2a) | step ms (ag_rs, a2a) | tok/s (best) |")
     lines = [_setup_line(plan), "", header, "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -340,4 +342,4 @@ def plan_table(plan: dict) -> str:
                      f"({plan['workload']['concurrency']} sequences: "
                      f"{plan['workload']['concurrency'] * state / GB:,.2f}"
                      " GB), beside the KV")
-    return "\n".join([*lines, "", *recommendation_lines(plan)])
+    return "\n".join([*lines, "", *([*sections, ""] if sections else []), *recommendation_lines(plan)])

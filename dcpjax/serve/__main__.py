@@ -147,18 +147,27 @@ def main(argv: list[str] | None = None) -> int:
 
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.num_cpu_devices)
-    sock = bind_port(args.host, args.port) if args.process_id == 0 else None  # only process 0 serves HTTP
+    if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0
+        return follow_process_0(args)
+    with bind_port(args.host, args.port) as sock:  # closed however the load or the server ends
+        init_distributed(args)
+        llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
+        channel = None
+        if args.num_processes > 1:
+            from dcpjax.serve.process.multihost import CommandChannel
+
+            channel = CommandChannel()
+        return serve_http(args, llm, channel, sock)
+
+
+def follow_process_0(args: argparse.Namespace) -> int:
+    """A process > 0 of a multi-process model: the same engine, in lockstep with process 0's."""
+    from dcpjax.serve.process.multihost import CommandChannel, follow
+
     init_distributed(args)
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
-    channel = None
-    if args.num_processes > 1:
-        from dcpjax.serve.process.multihost import CommandChannel, follow
-
-        channel = CommandChannel()
-        if args.process_id != 0:  # no HTTP here: run the same engine in lockstep with process 0
-            logger.info("process %d following process 0", args.process_id)
-            return follow(llm.engine, channel, args.process_id, args.failure_timeout)
-    return serve_http(args, llm, channel, sock)
+    logger.info("process %d following process 0", args.process_id)
+    return follow(llm.engine, CommandChannel(), args.process_id, args.failure_timeout)
 
 
 if __name__ == "__main__":

@@ -28,12 +28,16 @@ class ParallelConfig:
       cp_kv_cache_interleave_size: I; token p lives on DCP rank (p // I) % DCP.
       dcp_comm_backend: "ag_rs" (all_gather LSE + psum_scatter outputs) or
         "a2a" (one all_to_all of outputs and LSE).
+      enable_expert_parallel: routed experts placed whole over the replica's TP devices
+        (EP size = TP; vLLM's flag) instead of each split over all of them; attention, dense
+        layers and shared experts keep their layout (`dcpjax.models.layers.expert_axes`).
     """
 
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     cp_kv_cache_interleave_size: int = 1
     dcp_comm_backend: str = "ag_rs"
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         # Types and names only: whether the sizes fit each other and a model is
@@ -47,6 +51,8 @@ class ParallelConfig:
             raise ValueError(
                 f"dcp_comm_backend must be one of {COMM_BACKENDS}, got {self.dcp_comm_backend!r}."
             )
+        if type(self.enable_expert_parallel) is not bool:  # a user's value: ValueError, as every check here
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}.")
 
     # -- derived sizes -----------------------------------------------------
     @property

@@ -43,7 +43,12 @@ class ShardingRules:
       kv_pages: the paged pools' block axis: each DCP rank has its own pool of blocks.
       ffw / moe_ffw / vocab: linear layers split over all TP devices together; a routed
         expert is split like a dense MLP (tensor-parallel experts, exact for any routing).
-      experts: every device holds a slice of every expert (no expert parallelism yet).
+      experts: every device holds a slice of every expert (tensor-parallel experts, the default).
+      ep_experts: with expert parallelism (`ParallelConfig.enable_expert_parallel`), the routed
+        experts split whole over all TP devices (EP size = TP), their FFW unsplit: the token
+        activations are replicated after attention here, so each device runs its own experts on
+        the tokens routed to them and the one reduction that TP experts need combines them
+        (vLLM does the same when there is no data-parallel attention: no all_to_all).
       linear_heads: a linear-attention layer's key and value heads (and their per-slot state),
         split over all TP devices like query heads: each device runs the recurrence of its heads.
     """
@@ -58,6 +63,7 @@ class ShardingRules:
     ffw: MeshAxes = (TP_AXIS, DCP_AXIS)
     moe_ffw: MeshAxes = (TP_AXIS, DCP_AXIS)
     experts: MeshAxes = None
+    ep_experts: MeshAxes = (TP_AXIS, DCP_AXIS)
     vocab: MeshAxes = (TP_AXIS, DCP_AXIS)
     linear_heads: MeshAxes = (TP_AXIS, DCP_AXIS)
 

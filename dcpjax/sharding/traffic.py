@@ -65,3 +65,26 @@ def hlo_collective_bytes(hlo_text: str, group: int) -> list[tuple[str, float]]:
             moved = operands
         found.append((kind, moved))
     return found
+
+
+def moe_collective_bytes(*, tokens: int, hidden: int, tp: int, act_bytes: int) -> float:
+    """Bytes one device receives per routed-expert layer and step: the all-reduce (ring) of the
+    [tokens, hidden] partial sums over all TP devices (0 at TP 1).
+
+    The same with expert parallelism: attention leaves the activations replicated on every TP
+    device, so each device runs its own whole experts on the tokens routed to them and this one
+    reduction combines them, as it combines tensor-parallel experts' slices (no dispatch; see
+    `ep_all_to_all_bytes` for what a dispatch would move instead).
+    """
+    return 0.0 if tp == 1 else 2 * (tp - 1) / tp * tokens * hidden * act_bytes
+
+
+def ep_all_to_all_bytes(*, tokens: int, hidden: int, top_k: int, ep: int, act_bytes: int) -> float:
+    """What an all_to_all dispatch would move per layer and step instead (for comparison; dcpjax
+    does not build it): the tokens split over the EP devices, each token copy sent to its expert's
+    device and its output sent back (two all_to_alls of tokens x top_k / EP rows each), then the
+    outputs all-gathered so every device has every token again for the next attention."""
+    if ep == 1:
+        return 0.0
+    copies = tokens * top_k / ep  # one device's token copies
+    return 2 * copies * hidden * act_bytes * (ep - 1) / ep + tokens * hidden * act_bytes * (ep - 1) / ep
