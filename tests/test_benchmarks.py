@@ -156,6 +156,11 @@ def test_compile_after_ready_smoke():
 
 
 def test_expert_parallel_benchmark_counts_what_the_formula_says():
+    """The script's HLO bytes against the traffic formula (the compiled program against the analytic
+    count). Its routed FLOPs are a formula of the routing it draws (XLA:CPU's cost analysis counts
+    ragged_dot densely), so the last line checks only their order: EP's busiest device does more
+    of the work. That EP computes the right thing is tests/test_expert_parallel.py's and the parity
+    tests' job."""
     rows = json.loads(_run("benchmarks/expert_parallel.py", "--tokens", "16", "--json"))
     assert [r["experts"] for r in rows] == ["tensor-parallel", "EP"]
     for r in rows:  # the compiled layer's collectives are the one reduction, EP or not

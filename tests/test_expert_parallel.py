@@ -107,14 +107,21 @@ def _generate(model: str, **kwargs) -> list:
     return llm, [o.outputs[0] for o in outputs]
 
 
-def test_ep_holds_whole_experts_and_generates_what_tp_experts_do(tmp_path):
-    """6 experts over 4 devices: padded to 8, two whole experts per device (their FFW unsplit); the
-    tokens and logprobs equal those of tensor-parallel experts."""
+@pytest.mark.parametrize("quantization", ["auto", "fp8"])
+def test_ep_holds_whole_experts_and_generates_what_tp_experts_do(tmp_path, quantization):
+    """6 experts over 4 devices: padded to 8 (appended: devices 0-2 hold two real experts each, the
+    last one only zeros), their FFW unsplit, fp8 experts padded by whole experts too (not to a
+    block multiple); the tokens and logprobs equal those of tensor-parallel experts."""
     model = _moe_config(tmp_path, 6)
-    ep, ep_out = _generate(model, tensor_parallel_size=4, decode_context_parallel_size=2, enable_expert_parallel=True)
-    _, tp_out = _generate(model, tensor_parallel_size=4, decode_context_parallel_size=2)
-    gate = ep.model_weights.state["layers"][1]["mlp"]["gate"][...]
+    kwargs = dict(tensor_parallel_size=4, decode_context_parallel_size=2, quantization=quantization)
+    ep, ep_out = _generate(model, enable_expert_parallel=True, **kwargs)
+    _, tp_out = _generate(model, **kwargs)
+    held = ep.model_weights.state["layers"][1]["mlp"]["gate"]
+    gate = held["values"][...] if quantization == "fp8" else held[...]  # fp8: the codes as held
+    assert gate.dtype == (jnp.float8_e4m3fn if quantization == "fp8" else jnp.float32)
     assert gate.shape == (8, 64, 32) and gate.addressable_shards[0].data.shape == (2, 64, 32)
+    per_expert = np.abs(np.asarray(gate, np.float32)).sum(axis=(1, 2))
+    assert np.all(per_expert[:6] > 0) and np.all(per_expert[6:] == 0)
     for a, b in zip(ep_out, tp_out):
         assert a.token_ids == b.token_ids
         for step_a, step_b in zip(a.logprobs, b.logprobs):

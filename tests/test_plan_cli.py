@@ -264,10 +264,30 @@ def test_the_deepseek_deployment_shows_both_and_recommends(capsys):
     assert ep_row["all_to_all_bytes_per_step"] == pytest.approx(1.5 * ep_row["moe_collective_bytes_per_step"])
 
 
-def test_ep_on_a_dense_model_is_one_line(capsys):
-    assert "--enable-expert-parallel needs routed experts, and LlamaForCausalLM has none" in _error(
-        capsys, ["--model", "tiny-llama", "--enable-expert-parallel"])
+def test_ep_on_a_dense_model_is_one_line(tmp_path, capsys):
+    """From the flag, from a deployment file given to --model, and from one planned as a file."""
+    message = "enable_expert_parallel needs routed experts, and LlamaForCausalLM has none"
+    assert message in _error(capsys, ["--model", "tiny-llama", "--enable-expert-parallel"])
     assert _plan(capsys, "--model", "tiny-llama")["experts"] is None
+    dense = _write(tmp_path, DEPLOYMENT | {"parallel": DEPLOYMENT["parallel"] | {"enable_expert_parallel": True}})
+    assert message in _error(capsys, ["--model", dense])
+    assert message in _error(capsys, [dense])
+
+
+def test_a_deployment_files_expert_parallel_is_the_default(tmp_path, capsys):
+    """The file's "enable_expert_parallel" plans the table with EP's weights, as the flag does."""
+    with open("configs/deepseek-v3-tp8-dcp8.json") as f:
+        data = json.load(f)
+    data["parallel"]["enable_expert_parallel"] = True
+    path = _write(tmp_path, data)
+    from_file = _plan(capsys, "--model", path, "--input-len", "1024")
+    from_flag = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--input-len", "1024",
+                      "--enable-expert-parallel")
+    assert from_file["enable_expert_parallel"] is from_flag["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" in from_file["from_file"]
+    assert ([r["weight_bytes_per_device"] for r in from_file["sizes"]]
+            == [r["weight_bytes_per_device"] for r in from_flag["sizes"]])
+    assert _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json")["enable_expert_parallel"] is False
 
 
 def test_the_busiest_device_expectation_is_exact():

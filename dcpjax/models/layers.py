@@ -53,7 +53,10 @@ def padded_size(size: int, logical_axis: str | None, pc: ParallelConfig) -> int:
     ways = RULES.ways(logical_axis, pc)
     if size % ways == 0:
         return size
-    step = ways * _PAD_MULTIPLE.get()
+    # Quantization blocks lie inside one expert's matrices, never across experts: whole experts
+    # need no block multiple (with one, 6 experts at TP 4 under fp8 would pad to 512).
+    multiple = 1 if logical_axis == "ep_experts" else _PAD_MULTIPLE.get()
+    step = ways * multiple
     return -(-size // step) * step
 
 

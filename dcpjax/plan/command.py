@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import jax.numpy as jnp
 
-from dcpjax.engine.preflight import max_model_len_problem
+from dcpjax.engine.preflight import expert_parallel_problem, max_model_len_problem
 from dcpjax.entrypoints import cli
 from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
@@ -50,7 +50,8 @@ DEFAULT_TP, DEFAULT_DEVICE, DEFAULT_INPUT_LEN = 8, "h200", 8192
 
 def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
     """--model's config, and the settings its deployment file sets ({} for any other model): of
-    tensor_parallel_size, weight_dtype, kv_cache_dtype, block_size, memory_gb, memory_utilization."""
+    tensor_parallel_size, enable_expert_parallel, weight_dtype, kv_cache_dtype, block_size, memory_gb,
+    memory_utilization."""
     kind, path = resolve(name)
     data = load_json(path) if kind == "json" else None
     if kind != "json" or isinstance(data, dict) and "architectures" in data:  # a model's own config
@@ -62,7 +63,10 @@ def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
     defaults = {key: data[key] for key in ("weight_dtype", "kv_cache_dtype", "block_size", "memory_utilization")
                 if key in data}
     if "parallel" in data:
-        defaults["tensor_parallel_size"] = deployment_parallel(data, path).tp
+        parallel = deployment_parallel(data, path)
+        defaults["tensor_parallel_size"] = parallel.tp
+        if parallel.enable_expert_parallel:  # off is the default anyway: not named as the file's
+            defaults["enable_expert_parallel"] = True
     if "device_memory_bytes" in data:
         defaults["memory_gb"] = data["device_memory_bytes"] / GB
     return deployment_model(data, path), defaults
@@ -154,10 +158,9 @@ def plan_model(args: argparse.Namespace) -> dict:
     setup = dict(device=device, link=link, workload=work, kv_dtype=kv_dtype(kv_name),
                  block_size=_setting(args, file, "block_size", 16), q_bytes=jnp.dtype(args.dtype).itemsize,
                  utilization=_setting(args, file, "memory_utilization", 0.9))
-    ep = args.enable_expert_parallel
-    if ep and not (cfg.num_experts and cfg.sparse_layers):
-        raise ValueError(f"--enable-expert-parallel needs routed experts, and {cfg.architecture} has none (a dense "
-                         "model): leave it off")
+    ep = _setting(args, file, "enable_expert_parallel", False)
+    if problem := expert_parallel_problem(ParallelConfig(tp, enable_expert_parallel=ep), cfg):
+        raise ValueError(problem)
     rows = plan_rows(cfg, tp, weight_dtype, setup, ep)
     choice, reasons = planner.recommend(cfg, rows, link, work)
     alternatives = [] if choice is not None else planner.what_would_fit(
@@ -169,7 +172,7 @@ def plan_model(args: argparse.Namespace) -> dict:
         reasons = [*reasons, expert_plan["reason"]]
     return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
             "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
-            "from_file": _from_file(args, file),
+            "from_file": _from_file(args, file), "enable_expert_parallel": ep,
             "adjusted_defaults": {key: note for key, note in (("tensor_parallel_size", tp_note),
                                                               ("input_len", input_note)) if note},
             "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
@@ -223,9 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=KV_DTYPES,
                    help="KV cache entries (default: a deployment file's, else bfloat16)")
     p.add_argument("--block-size", type=int, help="KV tokens per block (default: a deployment file's, else 16)")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="plan the table with routed experts whole over the TP devices (MoE models; the experts "
-                        "section compares both either way)")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="plan the table with routed experts whole over the TP devices (MoE models; default: a "
+                        "deployment file's; the experts section compares both either way)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     cli.add_debug_flag(p)
     return p

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import jax.numpy as jnp
 
 from dcpjax.engine.args import EngineArgs
+from dcpjax.engine.preflight import expert_parallel_problem
 from dcpjax.loader.model_loader import planned_weight_bytes
 from dcpjax.models.config import ModelConfig
 from dcpjax.runner.kv_layout import kv_cache_layout
@@ -141,6 +142,8 @@ def memory_plan(d: Deployment) -> dict:
         pc.validate(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
     except ValueError as err:
         raise ValueError(f"{d.name}: {err}") from None
+    if problem := expert_parallel_problem(pc, cfg):
+        raise ValueError(f"{d.name}: {problem}")
     weights = weight_bytes_per_device(cfg, pc, d.weight_dtype)
     state_each = cfg.linear_state_bytes(pc.tp)  # a hybrid's fixed state, one per slot (0 without linear layers)
     state = d.max_num_seqs * state_each

@@ -9,9 +9,15 @@ holding the most of them sets the pace (the expected maximum over the devices of
 At small batches EP reads more on its busiest device; at large ones every expert is active and
 both read the same. The collectives are the same: one reduction either way
 (`sharding.traffic.moe_collective_bytes`). A dispatch by all_to_all (`ep_all_to_all_bytes`, not
-built) would replace the reduction's reduce-scatter half by two all_to_alls of top_k / EP of the
-tokens: more bytes when 2 top_k > EP (DeepSeek-V3, Kimi K2, Qwen3 at EP 8: 1.5x), fewer when few
-experts per token meet many devices; the table shows both. What the roofline leaves out is EP's
+built) would move instead of that reduction two all_to_alls of top_k / EP of the tokens (there
+and back) and the all-gather that gives every device every token again: more bytes when
+2 top_k > EP (DeepSeek-V3, Kimi K2, Qwen3 at EP 8: 1.5x), fewer when few experts per token meet
+many devices; the table shows both.
+
+Approximations: routing is uniform and the devices independent (real routers skew, which EP
+feels and tensor-parallel experts do not); EP's padded experts count in the busiest device's
+binomial as if they could be routed (slightly high when E does not divide TP); an fp8 expert's
+scales are counted at DeepSeek's 128 x 128 blocks (`FP8_SCALE_OVERHEAD`, 0.02 %). What the roofline leaves out is EP's
 reason to be: whole experts make larger matmuls, and an fp8 block is never cut by a device boundary.
 """
 
@@ -114,5 +120,5 @@ def table_lines(plan: dict) -> list[str]:
                      f"{r['tokens_per_second']:,.0f} |")
     return [*lines, "", ("  EP: routed experts whole over the TP devices (--enable-expert-parallel); MoE "
                          "collectives: the one reduction that combines experts either way; all_to_all instead: "
-                         "what a dispatch by all_to_all would move instead of the reduction's reduce-scatter half "
-                         "(not built); expert reads: uniform routing, the busiest device's")]
+                         "what a dispatch by all_to_all would move instead of that reduction (two all_to_alls "
+                         "and an all-gather; not built); expert reads: uniform routing, the busiest device's")]

@@ -293,7 +293,8 @@ def _setup_line(plan: dict) -> str:
     why = plan.get("adjusted_defaults", {})
     tp_why, input_why = (f" ({why['tensor_parallel_size']})" if "tensor_parallel_size" in why else "",
                          f"; {why['input_len']}" if "input_len" in why else "")
-    line = (f"{plan['model']}: TP {plan['tp']}{tp_why} on {d['name']} ({d['memory_gb']:g} GB, "
+    experts = " with expert parallelism" if plan.get("enable_expert_parallel") else ""
+    line = (f"{plan['model']}: TP {plan['tp']}{tp_why}{experts} on {d['name']} ({d['memory_gb']:g} GB, "
             f"{plan['memory_utilization']:.0%} usable, {d['hbm_tbps']:g} TB/s), {link['name']} ({link['gbps']:g} "
             f"GB/s, {link['latency_us']:g} us); weights {plan['weight_dtype']}, KV {plan['kv_cache_dtype']}; "
             f"{w['concurrency']} x ({w['input_len']} in + {w['output_len']} out{input_why})")
