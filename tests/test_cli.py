@@ -35,6 +35,12 @@ from dcpjax.serve.request_log import RequestLog
 MODEL = "tiny"
 HUB_ID = "Qwen/Qwen3-0.6B"
 MAINS = {"generate": generate.main, "serve": serve.main}
+# serve binds its port before anything else: any free one, so a port 8000 in use elsewhere changes nothing
+SERVE_PORT = ["--port", "0"]
+
+
+def _argv(command: str, argv: list[str]) -> list[str]:
+    return [*argv, *SERVE_PORT] if command == "serve" else argv
 
 
 def one_error_line(capsys) -> str:
@@ -54,7 +60,7 @@ def one_error_line(capsys) -> str:
     ([HUB_ID], ["dcpjax does not download models", f"huggingface-cli download {HUB_ID}"]),
 ])
 def test_user_errors_are_one_line_and_exit_2(command, argv, fragments, capsys):
-    assert cli.run(MAINS[command], argv) == cli.USAGE_EXIT
+    assert cli.run(MAINS[command], _argv(command, argv)) == cli.USAGE_EXIT
     err = one_error_line(capsys)
     assert all(f in err for f in fragments), err
 
@@ -64,7 +70,8 @@ def test_every_problem_of_the_command_line_at_once(command, capsys):
     """SmolLM2 (9 query, 3 KV heads) at TP 16 on 8 devices: the TP its heads refuse, a max_model_len
     past its positions and the devices missing, in one error (it used to ask for --num-cpu-devices
     first, then refuse the TP)."""
-    assert cli.run(MAINS[command], ["smollm2-135m-instruct", "-tp", "16", "--max-model-len", "9000"]) == 2
+    assert cli.run(MAINS[command], _argv(command, ["smollm2-135m-instruct", "-tp", "16", "--max-model-len",
+                                                   "9000"])) == 2
     err = one_error_line(capsys)
     assert err.startswith("error: 3 problems: (1) ") and "9 % 16 = 9" in err, err
     assert "the model allows tensor_parallel_size [1, 3, 9]" in err and "[2, 8192]" in err, err
@@ -135,8 +142,8 @@ def run_module(*argv: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("argv, fragment", [
     (["dcpjax.generate", "-tp", "16"], "--num-cpu-devices 16"),
-    (["dcpjax.serve", HUB_ID], "dcpjax does not download models"),
-    (["dcpjax", "serve", "-tp", "8", "-dcp", "3"], "must divide TP"),
+    (["dcpjax.serve", HUB_ID, *SERVE_PORT], "dcpjax does not download models"),
+    (["dcpjax", "serve", "-tp", "8", "-dcp", "3", *SERVE_PORT], "must divide TP"),
 ])
 def test_python_m_prints_one_line_and_exits_2(argv, fragment):
     done = run_module(*argv)
@@ -320,7 +327,7 @@ def test_python_m_dcpjax_runs_each_command(name, capsys):
 
 
 def test_python_m_dcpjax_passes_the_status_on(capsys):
-    assert dcpjax_main.main(["serve", "-tp", "8", "-dcp", "3"]) == 2
+    assert dcpjax_main.main(["serve", "-tp", "8", "-dcp", "3", *SERVE_PORT]) == 2
     assert "must divide TP" in one_error_line(capsys)
 
 
