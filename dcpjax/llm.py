@@ -16,6 +16,8 @@ from dcpjax.engine.preflight import check_configuration
 from dcpjax.engine.requests import RequestBuilder, request_output
 from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
 from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
+from dcpjax.kv_transfer.config import KVTransferConfig
+from dcpjax.kv_transfer.connector import KVConnector
 from dcpjax.loader.checkpoint import save_state
 from dcpjax.loader.model_loader import LoadedModel, load_model
 from dcpjax.loader.model_source import ModelSource, generation_defaults, model_source
@@ -106,6 +108,9 @@ class LLM:
         load, in 128 x 128 blocks); "gguf": a GGUF file's own types;
         "none": every weight dequantized at load into `dtype`. Held weights are dequantized in
         `dtype` where they are used (weight-only quantization); see docs/quantization.md.
+      kv_transfer_config: prefill/decode disaggregation (vLLM's KVTransferConfig, a dict or its JSON):
+        {"kv_role": "kv_producer"} hands prompts' KV on, {"kv_role": "kv_consumer"} pulls it (a
+        request's `SamplingParams.extra_args["kv_transfer_params"]`); see docs/serving.md.
     """
 
     def __init__(
@@ -139,6 +144,7 @@ class LLM:
         enforce_eager: bool | None = None,
         trust_remote_code: bool = False,
         quantization: str | None = None,
+        kv_transfer_config: dict | str | None = None,
     ):
         del trust_remote_code  # accepted for vLLM's command lines (see the docstring)
         parallel = ParallelConfig(tensor_parallel_size, decode_context_parallel_size, cp_kv_cache_interleave_size,
@@ -152,7 +158,8 @@ class LLM:
             orbax_checkpoint=orbax_checkpoint, enable_prefix_caching=enable_prefix_caching,
             speculative=SpeculativeConfig.from_dict(speculative_config), load_format=load_format,
             generation_config=generation_config, max_logprobs=max_logprobs,
-            compilation_cache_dir=compilation_cache_dir, enforce_eager=enforce_eager, quantization=quantization)
+            compilation_cache_dir=compilation_cache_dir, enforce_eager=enforce_eager, quantization=quantization,
+            kv_transfer=KVTransferConfig.from_value(kv_transfer_config))
         self._load(config, devices)
 
     @classmethod
@@ -216,7 +223,8 @@ class LLM:
         self._chat_templates: dict[str | None, ChatTemplate] = {}
         self.precompile_seconds: float | None = None  # None: eager, shapes compile when first met
         if not config.skips_precompile(self.mesh.devices.flat[0].platform):
-            self.precompile_seconds = precompile.precompile_engine(self.runner, getattr(proposer, "runner", None))
+            self.precompile_seconds = precompile.precompile_engine(self.runner, getattr(proposer, "runner", None),
+                                                                   self.engine.kv_connector)
             self.mark_ready()  # a shape compiled from now on is logged and counted
 
     def _shape_grid(self, kv) -> ShapeGrid:
@@ -236,13 +244,15 @@ class LLM:
         """The engine over the runner, and the request builder in front of it."""
         spec, dcp, config = self.speculative_config, self.parallel_config.dcp, self.scheduler_config
         eos = eos_token_ids(self.model_config.eos_token_id, self.tokenizer)
-        self.engine = Engine(self.runner, self.tokenizer, eos, config, proposer)
+        transfer = self.config.kv_transfer
+        connector = KVConnector(transfer, self.runner, self.max_model_len) if transfer is not None else None
+        self.engine = Engine(self.runner, self.tokenizer, eos, config, proposer, connector)
         block = config.block_size
         logger.info("prefix caching: %s", f"on, in blocks of {block * dcp} tokens ({block} x DCP {dcp}), up to "
                     f"{kv.num_blocks} cached blocks" if config.enable_prefix_caching else "off")
         self.requests = RequestBuilder(self.model_config, self.tokenizer, eos, max_model_len=self.max_model_len,
                                        seed=self.seed, speculative=spec is not None,
-                                       max_logprobs=self.config.max_logprobs)
+                                       max_logprobs=self.config.max_logprobs, kv_connector=connector)
 
     def _proposer(self, spec: SpeculativeConfig, draft: DraftModel | None, kv):
         """The speculative proposer of `spec`'s k drafts per decode row."""
@@ -285,6 +295,8 @@ class LLM:
     vocab_size = property(lambda self: self.model_config.vocab_size)
     async_scheduling = property(lambda self: self.engine.async_scheduling)
     compiled_step_count = property(lambda self: self.runner.compiled_step_count)  # model + sampler calls compiled
+    kv_connector = property(lambda self: self.engine.kv_connector)  # prefill/decode disaggregation (None: off)
+    receive_transfer = property(lambda self: self.engine.receive_transfer)  # a decode server's pull, off its loop
 
     def weight_bytes_by_device(self) -> dict[jax.Device, int]:
         """Bytes of model weights held on each of this process's devices."""

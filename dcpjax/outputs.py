@@ -33,3 +33,5 @@ class RequestOutput:
     num_cached_tokens: int | None = None  # prompt tokens taken from the prefix cache (None: not scheduled yet)
     # with SamplingParams.prompt_logprobs: per prompt token, None for the first, then {token_id: Logprob}
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # a prefill server's handle for the decode server (vLLM's field; `dcpjax.kv_transfer`), else None
+    kv_transfer_params: dict | None = None

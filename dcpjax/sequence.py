@@ -60,6 +60,11 @@ class Sequence:
     prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
+    # prefill/decode disaggregation (`dcpjax.kv_transfer.connector`): on a prefill server, the handle a
+    # decode server pulls the prompt's KV with (set when it finishes); on a decode server, that KV
+    # once it has arrived (written into the sequence's blocks at admission, then dropped)
+    kv_transfer_params: dict | None = None
+    transferred_kv: object | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)

@@ -24,6 +24,7 @@ LAYERS = [
     "loader",  # checkpoints -> sharded parameters (beside the runner: see BESIDE)
     "runner",  # the model on the mesh, one call at a time, from the scheduler's typed messages
     "sequence",  # the engine's request: never seen by the runner
+    "kv_transfer",  # prefill/decode disaggregation: a sequence's KV between two engines' layouts
     "spec_decode",  # proposers of drafts, on top of the runner
     "engine",  # requests, scheduler, the loop, outputs; EngineArgs
     "llm",  # the offline API

@@ -166,3 +166,17 @@ def test_expert_parallel_benchmark_counts_what_the_formula_says():
     for r in rows:  # the compiled layer's collectives are the one reduction, EP or not
         assert r["hlo_collective_bytes"] == pytest.approx(r["formula_bytes"], rel=0.05)
     assert rows[1]["routed_flops_per_device"] > rows[0]["routed_flops_per_device"]  # EP's busiest device
+
+
+@pytest.mark.e2e
+def test_disaggregation_benchmark_smoke():
+    """One engine and a P/D pair serve the same requests; every one completes and moves its prompt's
+    analytic KV (the timings are the benchmark's to report, not this test's)."""
+    out = _run("benchmarks/disaggregation.py", "--num-prompts", "4", "--input-len", "32", "--output-len", "8",
+               "--no-progress")
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in out.splitlines() if line.startswith("| "))}
+    assert rows["completed / failed"][:2] == ["4 / 0", "4 / 0"]
+    sent, received, _ = rows["KV transfers sent / received / released (warm-ups incl.)"][1].split(" / ")
+    assert sent == received and int(sent) >= 4
+    assert rows["KV bytes per request"][1] == rows["KV bytes per request, analytic"][1] != "0"

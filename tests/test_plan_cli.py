@@ -302,3 +302,18 @@ def test_the_busiest_device_expectation_is_exact():
                 for b in product((0, 1), repeat=3))
     assert expected_busiest(3, 2, p) == pytest.approx(brute)
     assert expected_busiest(5, 1, p) == pytest.approx(5 * p)
+
+
+def test_a_bad_prefill_tp_or_dcp_is_one_line(capsys):
+    assert "--prefill-tp 3: the model's 8 query heads and 2 KV heads allow TP 1, 2, 4, 8" in _error(
+        capsys, ["--model", "tiny-llama", "--prefill-tp", "3"])
+    assert "--prefill-dcp 2 at --prefill-tp 2: 'tensor_parallel_size > num_kv_heads' failed" in _error(
+        capsys, ["--model", "tiny-llama", "--prefill-tp", "2", "--prefill-dcp", "2"])
+    assert "--prefill-tp 1 --prefill-dcp 1: the prefill instance cannot hold one prompt: weights" in _error(
+        capsys, ["--model", "configs/deepseek-v3-tp8-dcp8.json", "--prefill-tp", "1"])
+    for flags, message in ((["--prefill-tp", "0"], "--prefill-tp must be >= 1"),
+                           (["--prefill-tp", "2", "--kv-link-gbps", "0"], "--kv-link-gbps, --prefill-tflops and"),
+                           (["--prefill-tp", "2", "--max-tpot-ms", "-1"], "--kv-link-gbps, --prefill-tflops and")):
+        with pytest.raises(SystemExit) as exit_:  # argparse's usage error: the line, then where --help is
+            plan.main(["--model", "tiny-llama", *flags])
+        assert exit_.value.code == 2 and f"error: {message}" in capsys.readouterr().err

@@ -43,3 +43,22 @@ def test_a_precompile_past_the_memory_map_limit_is_refused(monkeypatch):
     monkeypatch.setattr(precompile, "max_map_count", lambda: 1000)
     with pytest.raises(ValueError, match=r"max_map_count=1,000: lower max_num_seqs.*enforce_eager=True"):
         LLM("tiny-llama", enforce_eager=False, **SMALL)
+
+
+def test_a_kv_transfers_gathers_and_scatters_are_precompiled():
+    """Prefill/decode disaggregation: the producer's gathers and the consumer's scatters of every
+    bucket are compiled with the steps, so a transfer compiles nothing while requests wait."""
+    p = LLM("tiny-llama", enforce_eager=False, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0}, **SMALL)
+    d = LLM("tiny-llama", enforce_eager=False, kv_transfer_config={"kv_role": "kv_consumer"},
+            **{**SMALL, "decode_context_parallel_size": 1, "block_size": 16})
+    assert p.kv_connector.mover.gather_buckets(48) == [1, 2, 4] and d.kv_connector.mover.scatter_buckets(48) == [16,
+                                                                                                               32, 64]
+    compiled = compile_watch().compiled
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (1, 17, 40)]  # 1, 2 and 3 blocks of 8 x DCP 2
+    handoff = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    handles = p.generate(prompts, handoff)
+    outputs = d.generate(prompts, [SamplingParams(temperature=0, max_tokens=4, extra_args={
+        "kv_transfer_params": h.kv_transfer_params}) for h in handles])
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [4, 4, 4]
+    assert d.kv_connector.stats.take()[0] == {"received": 3}
+    assert compile_watch().compiled == compiled

@@ -80,6 +80,19 @@ def test_preemption_frees_the_latest_admitted_and_requeues_it_first():
     assert [(r.seq.request_id, r.start) for r in step.decode] == [("a", 12)]
 
 
+def test_preemption_spares_a_sequence_its_token_in_flight_ends():
+    """b (max_tokens 1, as a prefill server's handoff) ends when its token is read: preempting it frees
+    nothing for long and would lose the KV a decode server is about to pull. a preempts itself."""
+    scheduler = make_scheduler(num_blocks=6, max_num_batched_tokens=32)
+    a, b = make_seq("a", 12, max_tokens=20), make_seq("b", 11, max_tokens=1, first=100)
+    scheduler.add(a)
+    scheduler.add(b)
+    scheduler.schedule()
+    step = scheduler.schedule()  # the first step not read yet: a needs a fourth block
+    assert step.preempted == 1 and list(scheduler.waiting) == [a] and a.slot is None
+    assert len(b.blocks) == 3 and b.slot is not None and not step.decode
+
+
 def test_prefix_cache_hits_skip_the_cached_blocks():
     scheduler = make_scheduler()
     a = make_seq("a", 10)

@@ -51,7 +51,7 @@ def _count(text: str) -> int:
     return int(text)
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The workload flags, in vLLM's spelling (`vllm bench serve`) and this CLI's shorter first one."""
     p.add_argument("--dataset-name", "--dataset", dest="dataset", type=_dataset, default="random",
                    metavar="{random,prefix_repetition}",
@@ -90,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="served model name (default: the server's only model)")
     serve.add_argument("--seed", type=int, default=0, help="draws the prompts (the warm-up's from a stream of "
                        "their own) and the Poisson arrivals: another seed, other prompts (default: %(default)s)")
-    _workload_args(serve)
+    add_workload_arguments(serve)
     compare = sub.add_parser("compare", help="DCP 1 vs DCP k at the same TP, same workload")
     EngineArgs.add_cli_args(compare, defaults=COMPARE_DEFAULTS)  # its --seed also draws the prompts
-    _workload_args(compare)
+    add_workload_arguments(compare)
     sweep = sub.add_parser("sweep", help="staged DCP 1 vs DCP k over contexts and concurrencies: JSON, CSV, plots")
     add_sweep_arguments(sweep, COMPARE_DEFAULTS)
     for command in (throughput, serve, compare, sweep):

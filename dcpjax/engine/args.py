@@ -21,6 +21,7 @@ from typing import Any
 
 from dcpjax.engine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 from dcpjax.kernels import ATTENTION_BACKENDS
+from dcpjax.kv_transfer.config import KVTransferConfig
 from dcpjax.loader.model_source import BUILTIN_NAMES, LOAD_FORMATS
 from dcpjax.loader.quantized_source import QUANTIZATIONS
 from dcpjax.sampling import MAX_LOGPROBS, MAX_LOGPROBS_LIMIT
@@ -40,12 +41,19 @@ def _fraction(value: float) -> str | None:
     return None if 0 < value <= 1 else "must be in (0, 1]"
 
 
-def _speculative_problem(value: dict) -> str | None:
-    try:
-        SpeculativeConfig.from_dict(value)
-    except ValueError as error:
-        return str(error).removeprefix("speculative_config ")
-    return None
+def _config_problem(parse: Callable[[dict], Any], name: str) -> Check:
+    """The check of a JSON-config flag: what `parse` refuses of the value, without the flag's own name."""
+    def check(value: dict) -> str | None:
+        try:
+            parse(value)
+        except ValueError as error:
+            return str(error).removeprefix(f"{name} ")
+        return None
+    return check
+
+
+_kv_transfer_problem = _config_problem(KVTransferConfig.from_value, "kv_transfer_config")
+_speculative_problem = _config_problem(SpeculativeConfig.from_dict, "speculative_config")
 
 
 def _arg(default: Any, help: str, *, kind: type = int, aliases: tuple[str, ...] = (),
@@ -170,6 +178,10 @@ class EngineArgs:
         "\"prompt_lookup_max\": 4}' or '{\"method\": \"draft_model\", \"model\": \"tiny-llama\", "
         "\"num_speculative_tokens\": 4}'", kind=dict, check=_speculative_problem, default_help="off",
         aliases=("-sc",))
+    kv_transfer_config: dict | None = _arg(  # noqa: RUF009
+        None, "prefill/decode disaggregation as JSON (vLLM's KVTransferConfig): '{\"kv_role\": \"kv_producer\", "
+        "\"kv_port\": 14579}' on the prefill server, '{\"kv_role\": \"kv_consumer\"}' on the decode server; "
+        "python -m dcpjax.serve.router in front of both", kind=dict, check=_kv_transfer_problem, default_help="off")
     seed: int = _arg(0, "seed of random weights and of unseeded sampling")
     orbax_checkpoint: str | None = _arg(None, "restore the weights from this orbax folder (written by "
                                         "LLM.save_checkpoint, on any mesh)", kind=str)
@@ -283,7 +295,9 @@ class EngineArgs:
         """These arguments as one checked `EngineConfig` (raises ValueError naming a broken rule)."""
         values = self.llm_kwargs()
         for name in ("tensor_parallel_size", "decode_context_parallel_size", "cp_kv_cache_interleave_size",
-                     "dcp_comm_backend", "enable_expert_parallel", "speculative_config", "trust_remote_code"):
+                     "dcp_comm_backend", "enable_expert_parallel", "speculative_config", "trust_remote_code",
+                     "kv_transfer_config"):
             del values[name]  # grouped below, or accepted only for vLLM's command lines
         return EngineConfig(parallel=self.parallel_config(),
-                            speculative=SpeculativeConfig.from_dict(self.speculative_config), **values)
+                            speculative=SpeculativeConfig.from_dict(self.speculative_config),
+                            kv_transfer=KVTransferConfig.from_value(self.kv_transfer_config), **values)

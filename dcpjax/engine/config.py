@@ -9,6 +9,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from dcpjax.kernels import check_attention_backend
+from dcpjax.kv_transfer.config import KVTransferConfig
 from dcpjax.loader.quantized_source import QUANTIZATIONS
 from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
@@ -90,6 +91,7 @@ class EngineConfig:
     compilation_cache_dir: str | None  # "auto": compile_watch.default_compilation_cache_dir(); None or "": off
     enforce_eager: bool | None  # skip the start-up precompile (`dcpjax.runner.precompile`); None: on CPU only
     quantization: str | None = None  # how weights are held (`loader.quantized_source.QUANTIZATIONS`); None: auto
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation's role (None: off)
 
     def skips_precompile(self, platform: str) -> bool:
         """enforce_eager, or on CPU when unset: XLA:CPU builds a step shape in seconds and maps ~350
@@ -101,6 +103,9 @@ class EngineConfig:
         layout.check_block_size(self.block_size, self.parallel.interleave)
         check_max_num_batched_tokens(self.max_num_batched_tokens)
         check_quantization(self.quantization)
+        if self.kv_transfer is not None and self.speculative is not None and self.speculative.method == "draft_model":
+            raise ValueError("kv_transfer_config: a transferred prompt brings no draft model KV; use ngram "
+                             "speculative decoding, or none, on a server that transfers KV")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's part, once the model fixed max_model_len."""

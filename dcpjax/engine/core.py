@@ -28,6 +28,7 @@ from dcpjax.engine.block_pool import BlockPool, PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
 from dcpjax.engine.output_processor import OutputProcessor
 from dcpjax.engine.scheduler import Scheduler
+from dcpjax.kv_transfer.connector import KVConnector, wants_remote_prefill
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.step_output import StepResult
@@ -89,9 +90,10 @@ class Engine:
     """Schedules sequences onto the model runner, one step at a time."""
 
     def __init__(self, runner: ModelRunner, tokenizer, eos_token_ids: Iterable[int], config: SchedulerConfig,
-                 proposer=None):
+                 proposer=None, kv_connector: KVConnector | None = None):
         self.runner, self.tokenizer, self.config = runner, tokenizer, config
         self.proposer = proposer
+        self.kv_connector = kv_connector  # prefill/decode disaggregation (`dcpjax.kv_transfer`), or None
         self.spec_stats = SpecDecodeStats(config.num_lookahead_tokens) if proposer else None
         self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats)
         self.processor = OutputProcessor(tokenizer, eos_token_ids)
@@ -101,7 +103,18 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.scheduler.add(seq)
+        """Queue `seq`. A decode server's request for a transferred prompt pulls its KV first (unless a
+        server did it already, off its event loop); one its first token already finished is not queued."""
+        if self.kv_connector is not None and wants_remote_prefill(seq) and not seq.finished \
+                and seq.transferred_kv is None:
+            self.receive_transfer(seq)
+        if not seq.finished:
+            self.scheduler.add(seq)
+
+    def receive_transfer(self, seq: Sequence) -> None:
+        """A decode server's request (any thread, before `add`): the producer's first token appended and
+        the prompt's KV pulled (`kv_transfer.connector.KVConnector.receive`)."""
+        self.kv_connector.receive(seq, self.processor)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not queued or running.
@@ -158,6 +171,10 @@ class Engine:
         t = self.timings
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
+        if self.kv_connector is not None:  # a transferred prompt's KV, into its blocks before any call reads them
+            for row in scheduled.decode:
+                if row.admitted and row.seq.transferred_kv is not None:
+                    self.kv_connector.place(row.seq)
         now = time.perf_counter()
         t.schedule += now - start
         dispatched, tables = [], self.scheduler.block_tables
@@ -202,6 +219,8 @@ class Engine:
         self.scheduler.update_from_output(dispatched.rows, output.num_accepted)
         finished = self.processor.process(dispatched.rows, output)
         for seq in finished:
+            if self.kv_connector is not None:
+                self.kv_connector.on_finish(seq)  # a prefill server's KV, gathered before its blocks are freed
             self.scheduler.finish(seq)
         self.timings.process += time.perf_counter() - now
         return finished
@@ -210,6 +229,8 @@ class Engine:
         """Add the sequences and step until the engine is idle (offline generation)."""
         for seq in sequences:
             self.add(seq)
+            if seq.finished and on_finish is not None:  # its first token, from a prefill server, ended it
+                on_finish(seq)
         try:
             while self.has_work():
                 for seq in self.step().finished:

@@ -124,7 +124,8 @@ class OutputProcessor:
         )
         return RequestOutput(seq.request_id, seq.prompt, list(seq.prompt_ids), [completion], finished=seq.finished,
                              num_cached_tokens=seq.num_cached_tokens,
-                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None)
+                             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+                             kv_transfer_params=seq.kv_transfer_params)
 
 
 def _first_stop(text: str, stops: list[str], new_from: int) -> tuple[int, str] | None:

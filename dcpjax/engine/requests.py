@@ -50,9 +50,9 @@ class RequestBuilder:
     """Prompts -> Sequences for one loaded model (ValueError names what is wrong and the fix)."""
 
     def __init__(self, cfg: ModelConfig, tokenizer, eos_token_ids: Iterable[int], *, max_model_len: int,
-                 seed: int, speculative: bool = False, max_logprobs: int = MAX_LOGPROBS):
+                 seed: int, speculative: bool = False, max_logprobs: int = MAX_LOGPROBS, kv_connector=None):
         self.cfg, self.tokenizer, self.eos = cfg, tokenizer, frozenset(eos_token_ids)
-        self.max_logprobs = max_logprobs
+        self.max_logprobs, self.kv_connector = max_logprobs, kv_connector
         self.max_model_len, self.seed, self.speculative = max_model_len, seed, speculative
         self._ids = itertools.count()
 
@@ -75,6 +75,7 @@ class RequestBuilder:
         text, ids = self.prompt_ids(prompt, index)
         check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, index)
         self._check_params(params)
+        self._check_transfer(params)
         bad_words = self._bad_word_ids(params)
         spec = logits_spec(params, ids, self.eos, bad_words)
         budget = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
@@ -88,6 +89,21 @@ class RequestBuilder:
                 params=params, max_total=min(len(ids) + budget, self.max_model_len), seed=seed % 2**32,
                 logits_spec=spec))
         return seqs
+
+    def _check_transfer(self, params: SamplingParams) -> None:
+        """extra_args["kv_transfer_params"]: what this engine's connector (`dcpjax.kv_transfer`) cannot do."""
+        transfer = (params.extra_args or {}).get("kv_transfer_params")
+        if transfer is None:
+            return
+        if self.kv_connector is None:
+            raise RequestError("kv_transfer_params needs an engine with a kv_transfer_config (kv_producer for "
+                               "prefill, kv_consumer for decode; --kv-transfer-config on a server)",
+                               "kv_transfer_params")
+        if problem := self.kv_connector.request_problem(transfer, params.max_tokens, params.num_draws):
+            raise RequestError(problem, "kv_transfer_params")
+        if transfer.get("do_remote_prefill") and params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs need the prompt computed here, not transferred: drop one of them",
+                               "kv_transfer_params")
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the vocabulary, the tokenizer, speculative decoding."""

@@ -200,6 +200,17 @@ class Scheduler:
             seq.num_cached_tokens = cached
         return want
 
+    def _take_transferred(self, seq: Sequence) -> int | None:
+        """For a sequence whose prompt's KV came from a prefill server (with its first token): the
+        prompt counts as computed (the engine writes its KV into these blocks before this step's
+        calls), and its one row decodes the first token. None if the blocks are not free."""
+        if layout.blocks_needed(seq.num_tokens, self.block_size, self.dcp) > self.allocator.num_free:
+            return None
+        seq.blocks, seq.num_computed, seq.num_hashed_blocks, seq.prefix_key = [], seq.num_tokens - 1, 0, ROOT
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = 0
+        return 1
+
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.blocks)
         seq.blocks, seq.num_hashed_blocks, seq.prefix_key = [], 0, ROOT
@@ -278,7 +289,7 @@ class Scheduler:
                 continue
             lookahead = self._lookahead(seq, budget)
             while not self._grow(seq, seq.num_computed + want + lookahead):
-                victim = self.running[-1]
+                victim = self._victim(seq)
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
@@ -290,6 +301,15 @@ class Scheduler:
             budget -= want + lookahead
         return rows, budget, preempted
 
+    def _victim(self, seq: Sequence) -> Sequence:
+        """The newest running sequence to preempt for `seq` (itself last), sparing those whose token
+        in flight ends them: their blocks come back when it is read, and a prefill server still
+        hands their KV on then (`kv_transfer`)."""
+        for victim in reversed(self.running):
+            if victim is seq or not (victim.num_pending and victim.num_tokens >= victim.max_total):
+                return victim
+        return seq
+
     def _admit_waiting(self, budget: int) -> list[ScheduledRow]:
         """Rows for waiting sequences, first come first served, while slots, blocks and `budget` last."""
         rows = []
@@ -300,7 +320,8 @@ class Scheduler:
             if self._budget_for(seq, budget) <= 0:
                 break  # the prompt-logprobs budget is spent: next step
             seq.slot = self.free_slots.pop()
-            want = self._take_cached_prefix(seq, self._budget_for(seq, budget))
+            want = self._take_transferred(seq) if seq.transferred_kv is not None else \
+                self._take_cached_prefix(seq, self._budget_for(seq, budget))
             if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None

@@ -29,7 +29,7 @@ from dcpjax.entrypoints import cli
 from dcpjax.loader.model_source import load_model_config, resolve
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
-from dcpjax.plan import experts, planner
+from dcpjax.plan import disaggregation, experts, planner
 from dcpjax.plan.deployment import (
     DTYPES,
     GB,
@@ -161,6 +161,7 @@ def plan_model(args: argparse.Namespace) -> dict:
     ep = _setting(args, file, "enable_expert_parallel", False)
     if problem := expert_parallel_problem(ParallelConfig(tp, enable_expert_parallel=ep), cfg):
         raise ValueError(problem)
+    prefill_pc = args.prefill_tp and disaggregation.prefill_config(cfg, args.prefill_tp, args.prefill_dcp, ep)
     rows = plan_rows(cfg, tp, weight_dtype, setup, ep)
     choice, reasons = planner.recommend(cfg, rows, link, work)
     alternatives = [] if choice is not None else planner.what_would_fit(
@@ -168,8 +169,8 @@ def plan_model(args: argparse.Namespace) -> dict:
         rows_at=lambda t, w: plan_rows(cfg, t, w, setup, ep))
     chosen = next((r for r in rows if r["dcp"] == choice), None)
     expert_plan = plan_experts(cfg, chosen, tp, weight_dtype, setup, link) if chosen and cfg.sparse_layers else None
-    if expert_plan:
-        reasons = [*reasons, expert_plan["reason"]]
+    pd_plan = plan_disaggregation(args, cfg, chosen, prefill_pc, weight_dtype, setup) if chosen and prefill_pc else None
+    reasons = [*reasons, *(section["reason"] for section in (expert_plan, pd_plan) if section)]
     return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
             "block_size": setup["block_size"], "memory_utilization": setup["utilization"],
             "from_file": _from_file(args, file), "enable_expert_parallel": ep,
@@ -178,7 +179,20 @@ def plan_model(args: argparse.Namespace) -> dict:
             "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
             "workload": dataclasses.asdict(work), "sizes": rows, "recommended_dcp": choice,
             "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
-            "what_would_fit": alternatives, "experts": expert_plan}
+            "what_would_fit": alternatives, "experts": expert_plan, "disaggregation": pd_plan}
+
+
+def plan_disaggregation(args: argparse.Namespace, cfg: ModelConfig, row: dict, pc: ParallelConfig, weight_dtype: str,
+                        setup: dict) -> dict:
+    """One engine against a P/D pair at the recommended row (`plan.disaggregation`): the prefill
+    instance planned like a table row, holding one prompt."""
+    work = setup["workload"]
+    problems = layout_problems(cfg, pc)
+    prefill_row = planner.plan_size(cfg, pc, weight_bytes=0 if problems else weight_bytes_per_device(
+        cfg, pc, weight_dtype), problems=problems, **setup | {"workload": planner.Workload(work.input_len, 1, 1)})
+    return disaggregation.plan(cfg, row, prefill_row, work=work, kv_dtype=setup["kv_dtype"],
+                               device=args.device or DEFAULT_DEVICE, tflops=args.prefill_tflops,
+                               link_gbps=args.kv_link_gbps, max_tpot_ms=args.max_tpot_ms)
 
 
 def plan_experts(cfg: ModelConfig, row: dict, tp: int, weight_dtype: str, setup: dict, link) -> dict:
@@ -229,6 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="plan the table with routed experts whole over the TP devices (MoE models; default: a "
                         "deployment file's; the experts section compares both either way)")
+    p.add_argument("--prefill-tp", type=int, help="compare one engine with a prefill/decode pair whose prefill "
+                   "instance runs at this TP (default: none, no comparison)")
+    p.add_argument("--prefill-dcp", type=int, default=1, help="the prefill instance's DCP (default: %(default)s)")
+    p.add_argument("--kv-link-gbps", type=float, default=disaggregation.DEFAULT_KV_LINK_GBPS,
+                   help="GB/s between the prefill and decode instances for the KV, 25: a 200 Gb/s NIC "
+                        "(default: %(default)s)")
+    tflops = ", ".join(f"{name} {peak:g}" for name, (peak, _) in sorted(disaggregation.PEAK_TFLOPS.items()))
+    p.add_argument("--prefill-tflops", type=float, help=f"dense bf16 TFLOP/s per device for prefill (default: the "
+                   f"device's peak: {tflops})")
+    p.add_argument("--max-tpot-ms", type=float, help="with --prefill-tp: a target ms per output token (an SLO): "
+                   "the set-up that alone meets it is picked (default: none, tokens/s per device decides)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     cli.add_debug_flag(p)
     return p
@@ -239,17 +264,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.model is None and not args.configs:
         p.error("give deployment files, or --model to plan every DCP size")
-    for name in ("tensor_parallel_size", "input_len", "output_len", "concurrency", "block_size"):
+    for name in ("tensor_parallel_size", "input_len", "output_len", "concurrency", "block_size", "prefill_tp",
+                 "prefill_dcp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.memory_utilization is not None and not 0 < args.memory_utilization <= 1:
         p.error("--memory-utilization must be in (0, 1]")
+    if args.kv_link_gbps <= 0 or any(v is not None and v <= 0 for v in (args.prefill_tflops, args.max_tpot_ms)):
+        p.error("--kv-link-gbps, --prefill-tflops and --max-tpot-ms must be > 0")
     if args.configs:
         print("\n".join(markdown_rows(args.configs)))
     if args.model is not None:
         plan = plan_model(args)
         print(json.dumps(plan, indent=1, default=str) if args.json else
-              planner.plan_table(plan, sections=experts.table_lines(plan)))
+              planner.plan_table(plan, sections=[*experts.table_lines(plan), *disaggregation.table_lines(plan)]))
     return 0
 
 

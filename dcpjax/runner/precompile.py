@@ -24,14 +24,17 @@ from dcpjax.runner.compile_watch import compile_watch
 logger = logging.getLogger(__name__)
 
 
-def precompile_engine(runner, draft_runner=None, workers: int | None = None) -> float:
+def precompile_engine(runner, draft_runner=None, kv_connector=None, workers: int | None = None) -> float:
     """Compile every model call, sampler and install shape of `runner` (and the greedy calls of a
-    draft model's runner) not met yet. Returns the seconds it took."""
+    draft model's runner, and a KV connector's gathers and scatters) not met yet. Returns the
+    seconds it took."""
     jobs = [(runner.compile_call, shape) for shape in runner.grid.call_shapes() if shape not in runner.seen]
     jobs += [(runner.compile_sampler, shape) for shape in runner.grid.sampler_shapes() if shape not in runner.seen]
     if draft_runner is not None:  # greedy drafts: no sampler, no prompt logprobs
         jobs += [(draft_runner.compile_call, shape) for shape in
                  draft_runner.grid.call_shapes(prompt_logprobs=False, catch_up=True) if shape not in draft_runner.seen]
+    if kv_connector is not None:  # prefill/decode disaggregation: its moves happen while requests wait too
+        jobs += kv_connector.compile_jobs()
     if not jobs:
         runner.precompiled = True
         return 0.0

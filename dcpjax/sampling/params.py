@@ -34,6 +34,8 @@ class SamplingParams:
     prompt_logprobs: the same for every prompt token after the first (vLLM's field; the
     prompt is then computed in full, not taken from the prefix cache).
     Log-probabilities are those of the model's logits, before penalties and biases (vLLM's default).
+    extra_args: what a connector reads (vLLM's field): {"kv_transfer_params": {...}} asks a prefill
+    server to hand the prompt's KV on, or a decode server to pull it (`dcpjax.kv_transfer`).
     """
 
     n: int = 1
@@ -57,6 +59,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: Sequence[int] | None = None
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         self._check_choices()
@@ -81,6 +84,8 @@ class SamplingParams:
             self._bad("best_of", f"must be an integer >= n ({self.n}) or None")
         if self.seed is not None and not _is_int(self.seed):
             self._bad("seed", "must be an integer or None")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            self._bad("extra_args", "must be a dict or None")
 
     def _check_filters(self) -> None:
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):

@@ -69,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"--process-id {args.process_id} --num-processes {args.num_processes}")
     if args.num_processes > 1 and not args.coordinator_address:
         parser.error("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
+    if args.num_processes > 1 and args.kv_transfer_config is not None:
+        parser.error("--kv-transfer-config runs on one process per server (each transfer reads or writes every "
+                     "device's pages from that process): drop --num-processes")
     return args
 
 

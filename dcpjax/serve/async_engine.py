@@ -83,6 +83,11 @@ class AsyncEngine:
         """Yield Updates for `seq` until it finishes; aborts it if the consumer goes away."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
+        if seq.finished:  # its first token, from a prefill server, ended it: nothing to run
+            self.metrics.generation_tokens.inc(seq.num_output_tokens)
+            yield Update(seq.text or "", seq.output_ids, seq.logprobs if seq.params.logprobs is not None else [],
+                         seq.finish_reason, seq)
+            return
         stream = _Stream(seq, asyncio.get_running_loop())
         self.commands.put(("add", stream))
         self.wake.set()

@@ -81,11 +81,51 @@ class ServerContext:
             stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
             prompt_logprobs=body.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            extra_args=self._transfer_args(body),
         )
         try:
             return SamplingParams(**values)
         except ValueError as err:
             raise APIError(400, str(err), param=_field_of(str(err))) from err
+
+    def _transfer_args(self, body: CompletionRequest | ChatRequest) -> dict | None:
+        """extra_args carrying the body's kv_transfer_params; a 400 (503: the transfer buffer is full)
+        for what this server's connector cannot do of them."""
+        params = body.kv_transfer_params
+        if params is None:
+            return None
+        connector = self.llm.kv_connector
+        if connector is None:
+            raise APIError(400, "kv_transfer_params needs a server started with --kv-transfer-config (kv_producer "
+                                "for prefill, kv_consumer for decode)", param="kv_transfer_params")
+        # the rest (roles, max_tokens, n, the handle's keys) is checked with the request (engine.requests)
+        if params.get("do_remote_decode") and body.stream:
+            raise APIError(400, "kv_transfer_params.do_remote_decode needs stream false (the handle is in the "
+                                "response)", param="kv_transfer_params")
+        if params.get("do_remote_prefill") and (body.prompt_logprobs is not None or getattr(body, "echo", False)):
+            raise APIError(400, "prompt logprobs (prompt_logprobs, echo) need the prompt computed here: not with a "
+                                "transfer", param="kv_transfer_params")
+        if params.get("do_remote_decode") and connector.buffer_full:
+            raise APIError(503, "the prefill server holds kv_buffer_size bytes of KV for pulls already: retry "
+                                "shortly", "service_unavailable", param="kv_transfer_params")
+        return {"kv_transfer_params": params}
+
+    async def receive_transfers(self, seqs: list[Sequence]) -> None:
+        """A decode server's request: the prompt's KV pulled from the prefill server before the
+        sequence is queued (off the event loop); 503 if the transfer fails, 400 if it is not this
+        model's or this prompt's."""
+        connector = self.llm.kv_connector
+        for seq in seqs:
+            if connector is None or seq.params.extra_args is None or seq.transferred_kv is not None:
+                continue
+            if not seq.params.extra_args["kv_transfer_params"].get("do_remote_prefill"):
+                continue
+            try:
+                await asyncio.to_thread(self.llm.receive_transfer, seq)
+            except OSError as err:  # the transfer failed (TransferError), retried already
+                raise APIError(503, f"{err}", "service_unavailable", "kv_transfer_failed") from err
+            except ValueError as err:
+                raise APIError(400, str(err), param="kv_transfer_params") from err
 
     def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt",
                   index: int = 0) -> list[Sequence]:

@@ -52,6 +52,17 @@ class Metrics:
                                                 "shape is precompiled, each shape's first use).")
         self._compiles_counted = (0, 0)
         self._spec_counted: dict[str, int] = {}
+        # prefill/decode disaggregation (a server with --kv-transfer-config)
+        self._transfers = Counter("dcpjax:kv_transfers", "Prompt KV transfers by outcome: sent, expired (never "
+                                  "pulled) on a prefill server; received, released (first token ended it), failed on "
+                                  "a decode server.", [*labels, "outcome"], registry=self.registry)
+        self.transfer_bytes = counter("kv_transfer_bytes", "Bytes of prompt KV (and linear state) sent or received.")
+        self.transfer_seconds = histogram("kv_transfer_seconds", "One transfer: the pull and the re-sharding on a "
+                                          "decode server, the send until acknowledged on a prefill server.", latency)
+        self.transfers_held = gauge("kv_transfer_held_requests", "Prompts whose KV a prefill server holds for a "
+                                    "pull.")
+        self._transfers_counted: dict[str, int] = {}
+        self._transfer_bytes_counted = 0
 
     def exposition(self) -> str:
         """The metrics in Prometheus' text format (what /metrics returns)."""
@@ -72,6 +83,8 @@ class Metrics:
         self.compilations.inc(compiled - self._compiles_counted[0])  # never decreases (CompileWatch.compiled)
         self.compilations_after_ready.inc(after_ready - self._compiles_counted[1])
         self._compiles_counted = (compiled, after_ready)
+        if getattr(engine, "kv_connector", None) is not None:
+            self._update_transfers(engine.kv_connector)
         spec = stats.spec_decode
         if spec is not None:
             counts = {"drafts": spec.num_drafts, "draft_tokens": spec.num_draft_tokens,
@@ -84,3 +97,16 @@ class Metrics:
                 else:
                     getattr(self, f"spec_{name}").inc(delta)
                 self._spec_counted[name] = value
+
+    def _update_transfers(self, connector) -> None:
+        """The connector's transfer counts (`kv_transfer.connector.TransferStats`) into the metrics."""
+        outcomes, nbytes, seconds = connector.stats.take()
+        for outcome, value in outcomes.items():
+            self._transfers.labels(**self._labels, outcome=outcome).inc(value - self._transfers_counted.get(outcome, 0))
+            self._transfers_counted[outcome] = value
+        self.transfer_bytes.inc(nbytes - self._transfer_bytes_counted)
+        self._transfer_bytes_counted = nbytes
+        for s in seconds:
+            self.transfer_seconds.observe(s)
+        if connector.store is not None:
+            self.transfers_held.set(len(connector.store))

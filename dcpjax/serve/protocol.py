@@ -65,6 +65,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, description="top logprobs per prompt token (vLLM's field; "
                                         "returned as prompt_logprobs, null for the first); at most --max-logprobs")
+    kv_transfer_params: dict | None = Field(None, description="prefill/decode disaggregation (vLLM's field): "
+                                            "{\"do_remote_decode\": true} on a prefill server (kv_producer), which "
+                                            "answers with the handle to send a decode server (kv_consumer)")
 
 
 # OpenAI fields accepted although they do not change what is generated, with the values that are
@@ -215,6 +218,7 @@ class CompletionChunk(BaseModel):
 
 class CompletionResponse(CompletionChunk):
     usage: Usage
+    kv_transfer_params: dict | None = Field(None, description="a prefill server's handle for the decode server")
 
 
 class FunctionCall(BaseModel):
@@ -251,6 +255,7 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
         None, description="with prompt_logprobs, per prompt token (keyed by token id): null for the first")
+    kv_transfer_params: dict | None = Field(None, description="a prefill server's handle for the decode server")
 
 
 class FunctionCallDelta(BaseModel):

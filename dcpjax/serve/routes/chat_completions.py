@@ -60,6 +60,7 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
         params = server.sampling(body, getattr(body, limit), (body.top_logprobs or 0) if body.logprobs else None,
                                  limit)
         seqs = server.sequences(ids, text, params, param="messages")
+        await server.receive_transfers(seqs)
         head = {"id": prompt_key(seqs[0]).replace("cmpl-", "chatcmpl-"), "model": server.model}
         if body.stream:
             async def chunks():
@@ -84,7 +85,7 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
                             "stop_reason": seq.stop_reason,
                             "logprobs": _logprobs(server, body, seq.output_ids, seq.logprobs)})
         response = {**head, "object": "chat.completion", "created": int(time.time()), "choices": choices,
-                    "usage": usage(seqs)}
+                    "usage": usage(seqs), "kv_transfer_params": seqs[0].kv_transfer_params}
         if body.prompt_logprobs is not None:
             response["prompt_logprobs"] = logprob_format.prompt_logprobs(seqs[0].prompt_logprobs, body.prompt_logprobs)
         return response

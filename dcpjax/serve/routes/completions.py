@@ -99,6 +99,7 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
         params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
         groups = [server.sequences(ids, text, params, index=i) for i, (ids, text) in enumerate(prompts)]
         seqs = [seq for group in groups for seq in group]
+        await server.receive_transfers(seqs)
         head = {"id": prompt_key(seqs[0]), "object": "text_completion", "model": server.model}
         builders = [_Choices(server, body, ids, text) for ids, text in prompts]
         if body.stream:
@@ -109,7 +110,8 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
             for j, seq in enumerate(best_of(group, body.n)):  # choice index: prompt by prompt, as OpenAI orders them
                 choices.append(build.choice(p * body.n + j, seq, seq.text or "", seq.output_ids, seq.logprobs,
                                             seq.finish_reason, True))
-        return {**head, "created": int(time.time()), "choices": choices, "usage": builders[0].usage(seqs)}
+        return {**head, "created": int(time.time()), "choices": choices, "usage": builders[0].usage(seqs),
+                "kv_transfer_params": seqs[0].kv_transfer_params}
 
 
 async def _stream(server: ServerContext, body: CompletionRequest, groups: list[list], builders: list, head: dict):
