@@ -101,6 +101,7 @@ def test_requests_a_server_cannot_serve_are_answered_4xx_or_503(servers):
         (d, _body(max_tokens=1, kv_transfer_params=handoff), 400, "needs a prefill server (kv_role kv_producer)"),
         (p, _body(kv_transfer_params=handoff), 400, "needs max_tokens 1 and n 1"),
         (p, _body(max_tokens=1, stream=True, kv_transfer_params=handoff), 400, "needs stream false"),
+        (p, _body(prompt=["a", "b"], max_tokens=1, kv_transfer_params=handoff), 400, "goes with one prompt"),
         (d, _body(echo=True, kv_transfer_params=handle), 400, "prompt logprobs (prompt_logprobs, echo)"),
         (d, _body(kv_transfer_params={"do_remote_prefill": True}), 400, "lacks ['remote_host'"),
         # another prompt than the handle's: the decode server checks what it pulled, before decoding it

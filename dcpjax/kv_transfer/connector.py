@@ -107,7 +107,6 @@ class KVConnector:
         self.layout = resharding.describe(runner)
         self.state_bytes = self.mover.state_row_bytes
         self.stats = TransferStats()
-        self._payload_bytes: dict[str, int] = {}  # by key, until sent
         self.store = self.server = self.executor = None
         if config.is_producer:
             self.store = HeldTransfers(config.extra("abort_request_timeout", 120.0), int(config.kv_buffer_size))
@@ -184,7 +183,6 @@ class KVConnector:
         key = f"{seq.request_id}-{uuid.uuid4().hex[:12]}"
         nbytes = resharding.kv_bytes(self.layout, num_tokens, self.state_bytes)
         header = {"layout": self.layout, "num_tokens": num_tokens, "prompt_sha256": prompt_digest(seq.prompt_ids)}
-        self._payload_bytes[key] = nbytes
         self.store.put(key, self.executor.submit(lambda: (header, self.mover.wire_arrays(gathered, num_tokens))),
                        nbytes)
         seq.kv_transfer_params = {
@@ -193,17 +191,15 @@ class KVConnector:
             "transfer_bytes": nbytes, "seed": seq.seed, "first_token": _first_token(seq)}
 
     def _sent(self, key: str, nbytes: int, seconds: float) -> None:
-        """A pull acknowledged: counted by its KV and state bytes (the message adds a header)."""
-        self.stats.count("sent", self._payload_bytes.pop(key, nbytes), seconds)
+        """A pull acknowledged: counted by its KV and state bytes (as held; the message adds a header)."""
+        self.stats.count("sent", nbytes, seconds)
 
     def _released(self, key: str) -> None:
         """Freed unpulled at a decode server's word (the first token ended its request)."""
-        self._payload_bytes.pop(key, None)
         self.stats.count("released")
 
     def _expired(self, keys: list[str]) -> None:
         for key in keys:
-            self._payload_bytes.pop(key, None)
             self.stats.count("expired")
             logger.warning("KV transfer %s: no decode server pulled it within %.0f s; freed", key,
                            self.store.timeout_s)

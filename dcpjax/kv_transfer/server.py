@@ -50,9 +50,9 @@ class TransferServer:
     fault (a test hook, never for production): `{"fail_after_bytes": N, "fail_count": k}` makes the
     first k pulls (counted across connections) send only the first N bytes of the payload message
     and close the connection, as a transfer that breaks mid-way would.
-    on_sent(key, nbytes, seconds): after a pull is acknowledged. on_expired(keys): after the sweeper
-    (every sweep_interval_s) freed payloads nobody pulled in time. on_released(key): a payload freed
-    unpulled at a consumer's request.
+    on_sent(key, nbytes, seconds): after a pull is acknowledged (nbytes: what the store held it as).
+    on_expired(keys): after the sweeper (every sweep_interval_s) freed payloads nobody pulled in time.
+    on_released(key): a payload freed unpulled at a consumer's request.
     """
 
     ready_wait_s = 60.0  # how long a pull waits for a payload still being copied to the host
@@ -147,7 +147,7 @@ class TransferServer:
         elif op == "pull":
             return self._pull(sock, key)
         elif op == "release":
-            removed = self.store.remove(key)
+            removed = self.store.remove(key) is not None
             if removed and self.on_released is not None:
                 self.on_released(key)
             wire.send_message(sock, {"ok": True, "removed": removed})
@@ -173,7 +173,7 @@ class TransferServer:
         started = time.perf_counter()
         limit = self._take_fault()
         try:
-            nbytes = wire.send_message(sock, {**header, "key": key}, arrays, limit_bytes=limit)
+            wire.send_message(sock, {**header, "key": key}, arrays, limit_bytes=limit)
         except wire.TransferError as err:
             if limit is None:
                 raise
@@ -182,8 +182,8 @@ class TransferServer:
         reply, _ = wire.receive_message(sock, max_header_bytes=REQUEST_HEADER_BYTES)
         if reply.get("op") != "ack" or reply.get("key") != key:
             raise wire.TransferError(f"KV transfer {key}: expected its ack, got {reply!r}")
-        self.store.remove(key)
-        if self.on_sent is not None:
+        nbytes = self.store.remove(key)
+        if nbytes is not None and self.on_sent is not None:  # None: released or expired meanwhile
             try:
                 self.on_sent(key, nbytes, time.perf_counter() - started)
             except Exception:  # the transfer is done; a callback's bug is only logged

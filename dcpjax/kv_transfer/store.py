@@ -78,13 +78,13 @@ class HeldTransfers:
                 held.payload = payload  # resolved once: later pulls need not go through the Future
         return payload
 
-    def remove(self, key: str) -> bool:
-        """Stop holding `key`; whether it was held."""
+    def remove(self, key: str) -> int | None:
+        """Stop holding `key`; the bytes it held (as `put` declared them), None if it was not held."""
         with self._lock:
             held = self._held.pop(key, None)
         if held is not None and isinstance(held.payload, concurrent.futures.Future):
             held.payload.cancel()  # not started yet: skip the copy nobody will pull
-        return held is not None
+        return None if held is None else held.nbytes
 
     def expire(self) -> list[str]:
         """Remove the keys held timeout_s or longer; returns them."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from fastapi.responses import StreamingResponse
 
 from dcpjax.engine.requests import RequestError
+from dcpjax.kv_transfer.connector import wants_remote_prefill
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
@@ -114,12 +115,9 @@ class ServerContext:
         """A decode server's request: the prompt's KV pulled from the prefill server before the
         sequence is queued (off the event loop); 503 if the transfer fails, 400 if it is not this
         model's or this prompt's."""
-        connector = self.llm.kv_connector
-        for seq in seqs:
-            if connector is None or seq.params.extra_args is None or seq.transferred_kv is not None:
-                continue
-            if not seq.params.extra_args["kv_transfer_params"].get("do_remote_prefill"):
-                continue
+        if self.llm.kv_connector is None:
+            return
+        for seq in (s for s in seqs if wants_remote_prefill(s) and s.transferred_kv is None):
             try:
                 await asyncio.to_thread(self.llm.receive_transfer, seq)
             except OSError as err:  # the transfer failed (TransferError), retried already

@@ -91,6 +91,9 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
         server.check_model(body.model)
         _check_echo(body)
         prompts = _prompts(server, body)
+        if body.kv_transfer_params is not None and len(prompts) > 1:  # one handle: one prompt's KV
+            raise APIError(400, f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send one "
+                                "request per prompt", param="kv_transfer_params")
         max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
         # echo with logprobs returns the prompt's logprobs too
         prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
