@@ -296,7 +296,6 @@ class LLM:
     async_scheduling = property(lambda self: self.engine.async_scheduling)
     compiled_step_count = property(lambda self: self.runner.compiled_step_count)  # model + sampler calls compiled
     kv_connector = property(lambda self: self.engine.kv_connector)  # prefill/decode disaggregation (None: off)
-    receive_transfer = property(lambda self: self.engine.receive_transfer)  # a decode server's pull, off its loop
 
     def weight_bytes_by_device(self) -> dict[jax.Device, int]:
         """Bytes of model weights held on each of this process's devices."""

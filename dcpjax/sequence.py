@@ -60,11 +60,9 @@ class Sequence:
     prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
-    # prefill/decode disaggregation (`dcpjax.kv_transfer.connector`): on a prefill server, the handle a
-    # decode server pulls the prompt's KV with (set when it finishes); on a decode server, that KV
-    # once it has arrived (written into the sequence's blocks at admission, then dropped)
+    # prefill/decode disaggregation (`dcpjax.kv_transfer`): on a prefill server, the handle a decode
+    # server pulls the prompt's KV with (the connector sets it when the prompt finishes)
     kv_transfer_params: dict | None = None
-    transferred_kv: object | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids)
@@ -163,3 +161,24 @@ def scheduled_call(rows: Seq[ScheduledRow], block_tables: np.ndarray, *, greedy:
     return ScheduledCall(tuple(row.chunk() for row in rows), tables,
                          tuple(new_request_data(row.seq) for row in rows if row.admitted),
                          frozenset(finished_request_ids), greedy)
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    """One step's rows (the engine's side: they point at the sequences). Prefill chunks and decode
+    tokens run as separate model calls (a decode row padded to a prefill chunk would cost a whole
+    chunk of compute), in this order: prefill, prefill with prompt logprobs (logits at every
+    position, for those rows only), decode."""
+
+    prefill: list[ScheduledRow]
+    decode: list[ScheduledRow]
+    preempted: int = 0
+    prompt_logprobs: list[ScheduledRow] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prefill or self.decode or self.prompt_logprobs)
+
+    @property
+    def calls(self) -> list[list[ScheduledRow]]:
+        """The non-empty model calls of the step, in dispatch order."""
+        return [rows for rows in (self.prefill, self.prompt_logprobs, self.decode) if rows]

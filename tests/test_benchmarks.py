@@ -180,3 +180,24 @@ def test_disaggregation_benchmark_smoke():
     sent, received, _ = rows["KV transfers sent / received / released (warm-ups incl.)"][1].split(" / ")
     assert sent == received and int(sent) >= 4
     assert rows["KV bytes per request"][1] == rows["KV bytes per request, analytic"][1] != "0"
+
+
+def test_kv_transport_benchmark_smoke():
+    """Both transports pull a prompt's KV across two processes (bytes/s are the benchmark's to report)."""
+    out = _run("benchmarks/kv_transport.py", "--tokens", "1024", "--repeats", "1")
+    assert "| SocketConnector | 1,024 |" in out and "| JaxTransferConnector | 1,024 |" in out
+
+
+def test_kv_transfer_bytes_are_measured_before_they_are_tabled():
+    """The 'after' formulas equal the bytes a real pair moved on each leg, and each leg moves no more
+    than before the connector's rework (fewer on the legs the rework cut)."""
+    out = _run("benchmarks/kv_transfer_bytes.py", "--tokens", "1024")
+    assert "== the formulas" in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if "| 1,024 |" in line]
+    assert len(rows) == 12
+    ratios = {(r[0], r[2]): float(r[5]) for r in rows}
+    assert all(ratio <= 1.0 for ratio in ratios.values())
+    assert ratios[("TP 9 -> TP 9 / DCP 3", "device->host")] < 0.4  # each KV head copied once, not 3 times
+    assert ratios[("TP 3 -> TP 9 / DCP 3", "host->device")] <= 0.5  # each DCP rank gets only its own positions
+    mla = "MLA-like latent (576 wide), TP 8 -> TP 8 / DCP 8"
+    assert ratios[(mla, "device->host")] < 0.2 and ratios[(mla, "host->device")] < 0.2

@@ -103,23 +103,63 @@ def test_clean_eof_and_malformed_messages():
                 wire.receive_message(b)
 
 
+def test_a_header_check_runs_before_the_arrays_are_read():
+    arrays = {"x": np.ones((100,), np.float32)}
+    a, b = socket.socketpair()
+    with a, b:
+        wire.send_message(a, {"n": 1}, arrays)
+        seen = []
+
+        def check(header):
+            seen.append(header)
+            raise TransferError("not this one")
+
+        with pytest.raises(TransferError, match="not this one"):
+            wire.receive_message(b, check_header=check)
+        assert seen[0]["n"] == 1 and seen[0]["arrays"] == wire.entries(arrays)
+        assert len(b.recv(1000)) == 400  # the arrays' bytes were left unread
+
+
 # -- store -------------------------------------------------------------------------------------------
 def test_store_bounds_bytes_and_time():
     clock = Clock()
     store = HeldTransfers(5.0, 100, clock=clock)
     assert store.can_hold(100) and not store.can_hold(101)
-    store.put("a", ({}, {}), 60)
+    store.put("a", {}, 60)
     assert store.held_bytes == 60 and store.can_hold(40) and not store.can_hold(41)
-    with pytest.raises(TransferError, match="held already"):
-        store.put("a", ({}, {}), 1)
+    with pytest.raises(TransferError, match="reserved or held already"):
+        store.put("a", {}, 1)
+    with pytest.raises(TransferError, match="would pass the 100 bytes"):
+        store.put("c", {}, 41)
     clock.now = 3.0
-    store.put("b", ({"n": 1}, {}), 10)
-    assert store.get("b", 0) == ({"n": 1}, {}) and store.keys() == ["a", "b"]
+    store.put("b", {"n": np.ones(1)}, 10)
+    assert list(store.get("b", 0)) == ["n"] and store.keys() == ["a", "b"]
     clock.now = 5.0
     with pytest.raises(KeyError, match="unknown or expired.* 5 s"):
         store.get("a", 0)
     assert store.expire() == ["a"] and len(store) == 1 and store.held_bytes == 10
     assert store.remove("b") == 10 and store.remove("b") is None and len(store) == 0
+
+
+def test_store_reservations_count_and_never_expire():
+    clock = Clock()
+    store = HeldTransfers(5.0, 100, clock=clock)
+    assert store.reserve("r", 70) and not store.reserve("s", 31) and store.reserve("s", 30)
+    assert store.held_bytes == 100 and store.keys() == ["r", "s"] and store.nbytes("r") == 70
+    with pytest.raises(KeyError, match="unknown or expired"):
+        store.get("r", 0)  # reserved, not offered yet: nothing to pull
+    with pytest.raises(TransferError, match="not reserved"):
+        store.offer("t", {})
+    clock.now = 10.0
+    assert store.expire() == [] and store.held_bytes == 100  # its prefill still runs
+    store.offer("r", {})  # its clock starts now
+    with pytest.raises(TransferError, match="held already"):
+        store.offer("r", {})
+    clock.now = 14.0
+    assert store.expire() == [] and store.get("r", 0) == {}
+    clock.now = 15.0
+    assert store.expire() == ["r"] and store.held_bytes == 30
+    assert store.remove("s") == 30 and store.held_bytes == 0 and store.clear() == []
 
 
 # -- server and client -------------------------------------------------------------------------------
@@ -128,11 +168,27 @@ def test_pull_round_trip_acknowledged_and_freed(serving):
     sent, done = [], threading.Event()
     server = start(on_sent=lambda *a: (sent.append(a), done.set()))
     arrays = sample_arrays()
-    store.put("r1", ({"num_tokens": 5}, arrays), 1000)
+    store.put("r1", arrays, 1000)
     result = client.pull("127.0.0.1", server.port, "r1")
-    assert result.attempts == 1 and result.header["num_tokens"] == 5 and result.header["key"] == "r1"
+    assert result.attempts == 1 and result.nbytes == sum(a.nbytes for a in arrays.values())
     assert_same(result.arrays, arrays)
     assert done.wait(5) and sent[0][:2] == ("r1", 1000) and len(store) == 0  # the bytes it was held as
+
+
+def test_a_payload_not_as_expected_is_refused_before_its_bytes(serving):
+    store, _, start = serving
+    server = start()
+    arrays = sample_arrays()
+    store.put("r6", arrays, 1000)
+    expected = {name: (a.shape, a.dtype) for name, a in arrays.items()}
+    got = client.pull("127.0.0.1", server.port, "r6", expected=dict(reversed(expected.items())))
+    assert list(got.arrays) == list(reversed(expected))  # expected's order
+    store.put("r7", arrays, 1000)
+    expected["v_bf16"] = ((3, 4), np.float32)
+    with pytest.raises(TransferError, match=r"not what this server expects: 'v_bf16' is bfloat16\[3, 4\], this "
+                                            r"server expects float32\[3, 4\]") as info:
+        client.pull("127.0.0.1", server.port, "r7", retries=2, expected=expected)
+    assert info.value.attempts == 1 and "r7" in store
 
 
 def test_unknown_key_is_refused_without_retry(serving):
@@ -148,7 +204,7 @@ def test_a_transfer_broken_once_is_retried(serving):
     done = threading.Event()
     server = start(fault={"fail_after_bytes": 100, "fail_count": 1}, on_sent=lambda *a: done.set())
     arrays = {"kv": np.arange(4096, dtype=np.float32)}
-    store.put("r2", ({}, arrays), arrays["kv"].nbytes)
+    store.put("r2", arrays, arrays["kv"].nbytes)
     result = client.pull("127.0.0.1", server.port, "r2", retries=1)
     assert result.attempts == 2
     assert_same(result.arrays, arrays)
@@ -160,7 +216,7 @@ def test_out_of_attempts_keeps_the_payload_until_it_expires(serving):
     expired, done = [], threading.Event()
     server = start(fault={"fail_after_bytes": 100, "fail_count": 2},
                    on_expired=lambda keys: (expired.extend(keys), done.set()))
-    store.put("r3", ({}, {"kv": np.zeros(1024, np.float32)}), 4096)
+    store.put("r3", {"kv": np.zeros(1024, np.float32)}, 4096)
     with pytest.raises(TransferError, match=r"r3 from 127.0.0.1:\d+ failed after 2 attempt\(s\): connection closed"):
         client.pull("127.0.0.1", server.port, "r3", retries=1)
     assert "r3" in store
@@ -171,12 +227,13 @@ def test_out_of_attempts_keeps_the_payload_until_it_expires(serving):
 def test_release_and_unknown_ops(serving):
     store, _, start = serving
     server = start()
-    store.put("r4", ({}, {}), 1)
+    store.put("r4", {}, 1)
     assert client.release("127.0.0.1", server.port, "r4") and "r4" not in store
     assert not client.release("127.0.0.1", server.port, "r4")
     with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
         wire.send_message(sock, {"op": "push"})
-        assert "unknown op 'push'" in wire.receive_message(sock)[0]["error"]
+        error = wire.receive_message(sock)[0]["error"]
+        assert "unknown op 'push': a KV transfer server takes ['pull', 'release']" in error
     server.close()
     assert not client.release("127.0.0.1", server.port, "r4", timeout_s=1)
 
@@ -186,9 +243,18 @@ def test_a_future_payload_is_waited_for(serving):
     server = start()
     future = concurrent.futures.Future()
     store.put("r5", future, 8)
-    threading.Timer(0.1, future.set_result, [({"late": True}, {"x": np.arange(2, dtype=np.int32)})]).start()
+    threading.Timer(0.1, future.set_result, [{"x": np.arange(2, dtype=np.int32)}]).start()
     result = client.pull("127.0.0.1", server.port, "r5")
-    assert result.header["late"] and result.arrays["x"].tolist() == [0, 1]
+    assert result.arrays["x"].tolist() == [0, 1]
+
+
+def test_a_stalled_transfer_times_out_and_stays_held(serving):
+    store, _, start = serving
+    server = start(fault={"stall_after_bytes": 100})
+    store.put("r8", {"kv": np.zeros(1024, np.float32)}, 4096)
+    with pytest.raises(TransferError, match=r"failed after 1 attempt\(s\): timed out"):
+        client.pull("127.0.0.1", server.port, "r8", retries=0, timeout_s=0.5)
+    assert "r8" in store
 
 
 def test_a_busy_port_names_the_fix():

@@ -51,6 +51,7 @@ def test_a_kv_transfers_gathers_and_scatters_are_precompiled():
     p = LLM("tiny-llama", enforce_eager=False, kv_transfer_config={"kv_role": "kv_producer", "kv_port": 0}, **SMALL)
     d = LLM("tiny-llama", enforce_eager=False, kv_transfer_config={"kv_role": "kv_consumer"},
             **{**SMALL, "decode_context_parallel_size": 1, "block_size": 16})
+    # tokens per rank: 48 tokens at DCP 1 on the consumer
     assert p.kv_connector.mover.gather_buckets(48) == [1, 2, 4] and d.kv_connector.mover.scatter_buckets(48) == [16,
                                                                                                                32, 64]
     compiled = compile_watch().compiled

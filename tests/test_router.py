@@ -294,6 +294,8 @@ def test_a_backends_own_error_answer_passes_through_unchanged(fakes, role, strea
         assert outcomes(client)[f"{role}_error"] == 1
     assert r.status_code == 400 and r.content == httpx.Response(400, json=error).content
     assert r.headers["content-type"] == "application/json"
+    # a refusing decode server releases the prefill server's KV itself: the router only relays its 4xx
+    assert [c.base for c in fakes.calls] == ([PREFILL] if role == "prefill" else [PREFILL, DECODE])
 
 
 def test_a_decode_stream_that_breaks_ends_the_clients_stream(fakes):
@@ -398,3 +400,43 @@ def health_when_up(url: str, seconds: float = 10.0) -> httpx.Response:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+# -- no JAX, quick start --------------------------------------------------------------------------
+JAX_FREE = """
+import sys
+import dcpjax.serve.router.__main__
+from dcpjax.serve.router import build_app
+build_app(["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
+heavy = ("jax", "jaxlib", "dcpjax.engine", "dcpjax.llm", "dcpjax.runner", "dcpjax.kv_transfer")
+loaded = sorted(m for m in sys.modules if m in heavy or m.startswith(tuple(h + "." for h in heavy)))
+assert not loaded, loaded
+"""
+
+
+def test_the_router_imports_neither_jax_nor_the_engine():
+    """The router is HTTP only: no JAX, no engine, no KV wire (a refusing decode server releases the
+    handle itself), in a fresh interpreter (this one has JAX already)."""
+    done = subprocess.run([sys.executable, "-c", JAX_FREE], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+
+
+STARTUP_SECONDS = 2.0  # the issue's bound: typically ~0.5 s on an idle machine (no JAX to import)
+
+
+def test_python_m_router_answers_metrics_within_2_s_of_starting():
+    argv = [sys.executable, "-m", "dcpjax.serve.router", "--prefill", "http://127.0.0.1:1", "--decode",
+            "http://127.0.0.1:2", "--port", "0"]
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+    try:
+        line = next((line for line in proc.stderr if "router on" in line), "")
+        found = re.search(r"router on http://127\.0\.0\.1:(\d+) ", line)
+        assert found, line
+        r = health_when_up(f"http://127.0.0.1:{found[1]}/metrics")
+        seconds = time.monotonic() - start
+        assert r.status_code == 200 and "dcpjax_router_requests_total" in r.text
+        assert seconds < STARTUP_SECONDS, f"the router took {seconds:.2f} s to answer /metrics"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0, proc.stderr.read()

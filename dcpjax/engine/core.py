@@ -28,7 +28,7 @@ from dcpjax.engine.block_pool import BlockPool, PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
 from dcpjax.engine.output_processor import OutputProcessor
 from dcpjax.engine.scheduler import Scheduler
-from dcpjax.kv_transfer.connector import KVConnector, wants_remote_prefill
+from dcpjax.kv_transfer.connector import KVConnector
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.step_output import StepResult
@@ -95,7 +95,8 @@ class Engine:
         self.proposer = proposer
         self.kv_connector = kv_connector  # prefill/decode disaggregation (`dcpjax.kv_transfer`), or None
         self.spec_stats = SpecDecodeStats(config.num_lookahead_tokens) if proposer else None
-        self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats)
+        self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats,
+                                   connector=kv_connector.scheduler if kv_connector is not None else None)
         self.processor = OutputProcessor(tokenizer, eos_token_ids)
         self.async_scheduling = config.async_scheduling and proposer is None
         self.in_flight: list[InFlight] = []  # dispatched, not yet read
@@ -103,18 +104,12 @@ class Engine:
 
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        """Queue `seq`. A decode server's request for a transferred prompt pulls its KV first (unless a
-        server did it already, off its event loop); one its first token already finished is not queued."""
-        if self.kv_connector is not None and wants_remote_prefill(seq) and not seq.finished \
-                and seq.transferred_kv is None:
-            self.receive_transfer(seq)
+        """Queue `seq`. A decode server's request for a transferred prompt starts with the producer's
+        first token (`KVConnector.on_request`); one that token already finished is not queued."""
+        if self.kv_connector is not None:
+            self.kv_connector.on_request(seq, self.processor)
         if not seq.finished:
             self.scheduler.add(seq)
-
-    def receive_transfer(self, seq: Sequence) -> None:
-        """A decode server's request (any thread, before `add`): the producer's first token appended and
-        the prompt's KV pulled (`kv_transfer.connector.KVConnector.receive`)."""
-        self.kv_connector.receive(seq, self.processor)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is not queued or running.
@@ -122,8 +117,8 @@ class Engine:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
+        seq.finish_reason = "abort"  # first: the connector saves nothing of an aborted prompt
         self.scheduler.finish(seq)
-        seq.finish_reason = "abort"
         return True
 
     def abort_all(self) -> None:
@@ -131,8 +126,10 @@ class Engine:
         inside `step`, whose state is then not to be trusted): every block and slot is free, and
         the prefix cache is emptied (a step that failed may not have written what it holds)."""
         self.in_flight.clear()
-        for seq in [*self.scheduler.waiting, *self.scheduler.running]:
+        for seq in self.scheduler.unfinished():
             seq.finish_reason = "abort"
+        if self.kv_connector is not None:
+            self.runner.kv_connector.reset()  # loads under way are dropped: their blocks go back now
         self.scheduler.reset()
 
     def reset_prefix_cache(self) -> bool:
@@ -170,11 +167,8 @@ class Engine:
         """Schedule and dispatch a step, then read the previous one (or this one, if not async)."""
         t = self.timings
         start = time.perf_counter()
+        self._exchange_with_connector()  # loads finished, transfers ended: before this step's admissions
         scheduled = self.scheduler.schedule()
-        if self.kv_connector is not None:  # a transferred prompt's KV, into its blocks before any call reads them
-            for row in scheduled.decode:
-                if row.admitted and row.seq.transferred_kv is not None:
-                    self.kv_connector.place(row.seq)
         now = time.perf_counter()
         t.schedule += now - start
         dispatched, tables = [], self.scheduler.block_tables
@@ -197,8 +191,11 @@ class Engine:
             t.dispatch += now - before
         t.steps += bool(dispatched)
         t.model_calls += len(dispatched)
-        if not dispatched and not self.in_flight and self.scheduler.waiting and not self.scheduler.running:
-            raise RuntimeError("the first waiting request does not fit in an empty KV cache")
+        if not dispatched and not self.in_flight:
+            if self.kv_connector is not None and self.scheduler.waits_for_transfers:
+                self.runner.kv_connector.wait(0.01)  # nothing to run until a transfer moves on
+            elif self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("the first waiting request does not fit in an empty KV cache")
         if self.async_scheduling:
             to_read, self.in_flight = self.in_flight, dispatched
         else:
@@ -206,7 +203,16 @@ class Engine:
         stats = StepStats(preempted=scheduled.preempted)
         for result in to_read:
             stats.finished += self._read(result)
+        if stats.finished:  # a prefill server's prompts are offered before anyone sees their handles
+            self._exchange_with_connector()
         return stats
+
+    def _exchange_with_connector(self) -> None:
+        """The KV connector's step messages: the scheduler's saves and loads to the runner, the runner's
+        report of what finished back to the scheduler."""
+        if self.kv_connector is not None:
+            meta = self.scheduler.build_connector_meta()
+            self.scheduler.update_connector_output(self.runner.kv_connector.step(meta))
 
     def _read(self, dispatched: InFlight) -> list[Sequence]:
         """A dispatched call's outputs: the scheduler's bookkeeping first, then the tokens; frees and
@@ -219,9 +225,7 @@ class Engine:
         self.scheduler.update_from_output(dispatched.rows, output.num_accepted)
         finished = self.processor.process(dispatched.rows, output)
         for seq in finished:
-            if self.kv_connector is not None:
-                self.kv_connector.on_finish(seq)  # a prefill server's KV, gathered before its blocks are freed
-            self.scheduler.finish(seq)
+            self.scheduler.finish(seq)  # a prefill server's prompt: its handle now, its save next step
         self.timings.process += time.perf_counter() - now
         return finished
 

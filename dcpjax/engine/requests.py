@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
+from dcpjax.kv_transfer.params import KVTransferParams
 from dcpjax.models.config import ModelConfig
 from dcpjax.outputs import RequestOutput
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
@@ -75,7 +76,7 @@ class RequestBuilder:
         text, ids = self.prompt_ids(prompt, index)
         check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, index)
         self._check_params(params)
-        self._check_transfer(params)
+        params = self._check_transfer(params, ids)
         bad_words = self._bad_word_ids(params)
         spec = logits_spec(params, ids, self.eos, bad_words)
         budget = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
@@ -90,20 +91,26 @@ class RequestBuilder:
                 logits_spec=spec))
         return seqs
 
-    def _check_transfer(self, params: SamplingParams) -> None:
-        """extra_args["kv_transfer_params"]: what this engine's connector (`dcpjax.kv_transfer`) cannot do."""
+    def _check_transfer(self, params: SamplingParams, ids: list[int]) -> SamplingParams:
+        """extra_args["kv_transfer_params"]: parsed once into `KVTransferParams` (the server's protocol
+        parsed them already), and what this engine's connector (`dcpjax.kv_transfer`) cannot do of them."""
         transfer = (params.extra_args or {}).get("kv_transfer_params")
         if transfer is None:
-            return
+            return params
+        try:
+            parsed = KVTransferParams.parse(transfer)
+        except ValueError as err:
+            raise RequestError(str(err), "kv_transfer_params") from None
         if self.kv_connector is None:
             raise RequestError("kv_transfer_params needs an engine with a kv_transfer_config (kv_producer for "
                                "prefill, kv_consumer for decode; --kv-transfer-config on a server)",
                                "kv_transfer_params")
-        if problem := self.kv_connector.request_problem(transfer, params.max_tokens, params.num_draws):
+        if problem := self.kv_connector.request_problem(parsed, ids, params.max_tokens, params.num_draws):
             raise RequestError(problem, "kv_transfer_params")
-        if transfer.get("do_remote_prefill") and params.prompt_logprobs is not None:
+        if parsed.do_remote_prefill and params.prompt_logprobs is not None:
             raise RequestError("prompt_logprobs need the prompt computed here, not transferred: drop one of them",
                                "kv_transfer_params")
+        return dataclasses.replace(params, extra_args={**params.extra_args, "kv_transfer_params": parsed})
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot know alone: the vocabulary, the tokenizer, speculative decoding."""

@@ -28,6 +28,10 @@ blocks and token budget for k drafts beyond its input (never past `max_total`), 
 `num_computed`, until `update_from_output` rolls it back to the accepted tokens. Full blocks are
 registered in the prefix cache from `min(num_computed, length)`, so a rejected draft never is.
 
+Prefill/decode disaggregation: the KV connector's scheduler side (`connector`) says which waiting
+prompts may start and whose prompt KV is remote; such sequences wait in `transfers`
+(`transfer_queues`) with their blocks and slot while their KV moves.
+
 The scheduler alone advances a sequence's scheduler state: `schedule` (rows, blocks, slots,
 preemption), `add_drafts`, `update_from_output` (what a step that was read computed), `finish`
 and `reset`. The output processor appends tokens and decides stops. The runner sees none of it:
@@ -38,14 +42,15 @@ and `reset`. The output processor appends tokens and decides stops. The runner s
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import numpy as np
 
 from dcpjax.engine.block_pool import ROOT, BlockPool, PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
+from dcpjax.engine.transfer_queues import TransferQueues
+from dcpjax.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
 from dcpjax.runner.messages import ScheduledCall
-from dcpjax.sequence import ScheduledRow, Sequence, scheduled_call
+from dcpjax.sequence import ScheduledRow, ScheduledStep, Sequence, scheduled_call
 from dcpjax.sharding import layout
 from dcpjax.spec_decode.stats import SpecDecodeStats
 
@@ -53,27 +58,6 @@ from dcpjax.spec_decode.stats import SpecDecodeStats
 # copies while their log-softmax and top-k are taken, on every device): this many tokens a
 # step at most, so that a 128 k vocabulary stays under a GiB or so next to a full KV cache.
 PROMPT_LOGPROBS_TOKENS = 512
-
-
-@dataclasses.dataclass
-class ScheduledStep:
-    """One step's rows (the engine's side: they point at the sequences). Prefill chunks and decode
-    tokens run as separate model calls (a decode row padded to a prefill chunk would cost a whole
-    chunk of compute), in this order: prefill, prefill with prompt logprobs (logits at every
-    position, for those rows only), decode."""
-
-    prefill: list[ScheduledRow]
-    decode: list[ScheduledRow]
-    preempted: int = 0
-    prompt_logprobs: list[ScheduledRow] = dataclasses.field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.prefill or self.decode or self.prompt_logprobs)
-
-    @property
-    def calls(self) -> list[list[ScheduledRow]]:
-        """The non-empty model calls of the step, in dispatch order."""
-        return [rows for rows in (self.prefill, self.prompt_logprobs, self.decode) if rows]
 
 
 class Scheduler:
@@ -84,7 +68,7 @@ class Scheduler:
     """
 
     def __init__(self, num_blocks: int, config: SchedulerConfig, *, dcp: int,
-                 spec_stats: SpecDecodeStats | None = None):
+                 spec_stats: SpecDecodeStats | None = None, connector=None):
         self.config, self.block_size, self.dcp = config, config.block_size, dcp
         self.num_lookahead_tokens = config.num_lookahead_tokens  # room for speculative drafts on decode rows
         self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
@@ -101,6 +85,8 @@ class Scheduler:
         self._prompt_logprobs_budget = 0  # set by each schedule()
         self._finished_ids: list[str] = []  # finished since the runner's last message
         self._live: dict[str, Sequence] = {}  # the queued and running sequences, by request id
+        self.connector = connector  # the KV connector's scheduler side (`kv_transfer`), or None
+        self.transfers = TransferQueues(connector)  # sequences whose KV moves (loading, loaded, saving)
 
     # -- queues ------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -113,21 +99,36 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.transfers)
+
+    def unfinished(self) -> list[Sequence]:
+        """The queued, running and loading sequences (not a finished prompt still being saved)."""
+        moving = self.transfers
+        return [*self.waiting, *self.running, *moving.loaded, *moving.loading.values()]
+
+    @property
+    def waits_for_transfers(self) -> bool:
+        """Nothing may run until a transfer moves on: loads or saves under way, or a full buffer."""
+        return bool(self.transfers.loading or self.transfers.saving or self.transfers.waits_for_buffer)
 
     def find(self, request_id: str) -> Sequence | None:
         """The queued or running sequence of `request_id`, or None."""
         return self._live.get(request_id)
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished (or aborted) sequence out of the queues and free its blocks and slot."""
-        for queue in (self.running, self.waiting):
+        """Take a finished (or aborted) sequence out of the queues and free its blocks and slot (a
+        load under way, or a save, keeps them until the runner reports it)."""
+        for queue in (self.running, self.waiting, self.transfers.loaded):
             try:
                 queue.remove(seq)  # in neither if preempted and finished in one step, or interrupted mid-admission
             except ValueError:
                 pass
         self._cache_full_blocks(seq)
-        self._release(seq)
+        saving = self.connector is not None and self.connector.request_finished(seq)
+        if saving:
+            self.transfers.saving[seq.request_id] = seq
+        elif seq.request_id not in self.transfers.loading:
+            self._release(seq)
         if self._live.get(seq.request_id) is seq:
             del self._live[seq.request_id]
         self._finished_ids.append(seq.request_id)
@@ -136,9 +137,15 @@ class Scheduler:
         """Finish every sequence (after a failed or interrupted step, whose tokens in flight will
         never be read): every block and slot is free, nothing is pending, and the prefix cache is
         emptied (a step that failed may not have written what it holds)."""
-        for seq in [*self.waiting, *self.running]:
+        moving = self.transfers
+        for seq in self.unfinished():
             self.finish(seq)
             seq.num_pending = 0
+        if self.connector is not None:
+            self.connector.reset()
+        for seq in [*moving.loading.values(), *moving.saving.values()]:  # the runner dropped their transfers
+            self._release(seq)
+        self.transfers = TransferQueues(self.connector)
         self.allocator.reset()
 
     def reset_prefix_cache(self) -> bool:
@@ -200,16 +207,25 @@ class Scheduler:
             seq.num_cached_tokens = cached
         return want
 
-    def _take_transferred(self, seq: Sequence) -> int | None:
-        """For a sequence whose prompt's KV came from a prefill server (with its first token): the
-        prompt counts as computed (the engine writes its KV into these blocks before this step's
-        calls), and its one row decodes the first token. None if the blocks are not free."""
+    def _start_load(self, seq: Sequence) -> bool:
+        """For a sequence whose prompt's KV comes from a prefill server (its first token appended):
+        blocks for the prompt and that token, and its load recorded; False if the blocks are not free."""
         if layout.blocks_needed(seq.num_tokens, self.block_size, self.dcp) > self.allocator.num_free:
-            return None
-        seq.blocks, seq.num_computed, seq.num_hashed_blocks, seq.prefix_key = [], seq.num_tokens - 1, 0, ROOT
+            return False
+        seq.blocks, seq.num_computed, seq.num_hashed_blocks, seq.prefix_key = [], 0, 0, ROOT
+        self._grow(seq, seq.num_tokens)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = 0
-        return 1
+        self.transfers.loading[seq.request_id] = seq
+        self.connector.update_state_after_alloc(seq)
+        return True
+
+    # -- the connector's messages (`transfer_queues`) ---------------------------------------------
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        return self.transfers.meta()
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.transfers.report(output, self._release, self.waiting.appendleft)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.blocks)
@@ -311,17 +327,34 @@ class Scheduler:
         return seq
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRow]:
-        """Rows for waiting sequences, first come first served, while slots, blocks and `budget` last."""
+        """Rows for waiting sequences, first come first served, while slots, blocks and `budget` last
+        (first the sequences whose remote KV has arrived: they hold their blocks and slot already)."""
         rows = []
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+        while self.transfers.loaded and budget > 0:
+            seq = self.transfers.loaded.popleft()
+            self.running.append(seq)
+            rows.append(self._row(seq, 1))
+            rows[-1].admitted = True
+            budget -= 1
+        self.transfers.waits_for_buffer = False
+        while self.waiting and self.free_slots and budget > 0:
             seq = self.waiting[0]
             if seq.num_pending:
                 break  # preempted while its last token was in flight: admitted once it is read
             if self._budget_for(seq, budget) <= 0:
                 break  # the prompt-logprobs budget is spent: next step
+            if self.connector is not None and not self.connector.can_admit(seq):
+                self.transfers.waits_for_buffer = True
+                break  # the transfer buffer is full: it starts once a decode server has pulled enough
             seq.slot = self.free_slots.pop()
-            want = self._take_transferred(seq) if seq.transferred_kv is not None else \
-                self._take_cached_prefix(seq, self._budget_for(seq, budget))
+            if self.connector is not None and self.connector.num_remote_tokens(seq):
+                if not self._start_load(seq):
+                    self.free_slots.append(seq.slot)
+                    seq.slot = None
+                    break
+                self.waiting.popleft()
+                continue
+            want = self._take_cached_prefix(seq, self._budget_for(seq, budget))
             if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None

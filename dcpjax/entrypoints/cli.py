@@ -16,9 +16,6 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from dcpjax.engine.preflight import ConfigurationError
-from dcpjax.sharding.config import TooFewDevicesError
-
 USAGE_EXIT = 2  # argparse's status for a bad command line
 
 # What dcpjax raises for input it cannot use (ValueError, with the fix in its message) and what the
@@ -91,13 +88,21 @@ def configure_logging() -> None:
     logging.getLogger("jax").setLevel(logging.WARNING)
 
 
+def _raised(err: BaseException, module: str, name: str) -> bool:
+    """Whether `err` is a `module.name` (e.g. the engine's ConfigurationError), asked without
+    importing `module`: only a module already imported can have raised one, and importing the
+    engine just to ask would load JAX into commands that need none (the router)."""
+    cls = getattr(sys.modules.get(module), name, None)
+    return isinstance(cls, type) and isinstance(err, cls)
+
+
 def user_message(err: BaseException) -> str:
     """One line saying what is wrong and how to fix it."""
-    if isinstance(err, ConfigurationError):
+    if _raised(err, "dcpjax.engine.preflight", "ConfigurationError"):
         needed = err.devices[0] if err.devices else 0
         return err.message(device_fix=f"on CPU pass --num-cpu-devices {needed} (fake CPU devices), or lower "
                                       "--tensor-parallel-size")
-    if isinstance(err, TooFewDevicesError):
+    if _raised(err, "dcpjax.sharding.config", "TooFewDevicesError"):
         return (f"tensor_parallel_size={err.needed} needs {err.needed} devices but {err.visible} are visible — on "
                 f"CPU pass --num-cpu-devices {err.needed} (fake CPU devices), or lower --tensor-parallel-size")
     if getattr(err, "summary", ""):  # an error whose message carries more (a server's log tail)

@@ -1,7 +1,11 @@
-"""`--kv-transfer-config`: vLLM's `KVTransferConfig` fields, checked, for dcpjax's one connector.
+"""`--kv-transfer-config`: vLLM's `KVTransferConfig` fields, checked, for dcpjax's connector.
 
     {"kv_connector": "SocketConnector", "kv_role": "kv_producer", "kv_ip": "127.0.0.1", "kv_port": 14579,
      "kv_buffer_size": 4e9, "kv_connector_extra_config": {"abort_request_timeout": 120}}
+
+kv_connector names the transport (`transport.TRANSPORTS`): JaxTransferConnector
+(`jax.experimental.transfer`, device to device) or SocketConnector (TCP through host memory); left
+out, the platform's default (`default_connector`). Both servers of a pair must use the same one.
 
 kv_producer: a prefill server; a request with `kv_transfer_params: {"do_remote_decode": true}`
 runs its prompt, and its KV (and a hybrid model's linear state) is held on the host for a
@@ -15,18 +19,23 @@ import dataclasses
 import json
 import socket
 
+from dcpjax.kv_transfer import transport
+
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
-CONNECTORS = ("SocketConnector",)
+CONNECTORS = transport.NAMES
 # vLLM's connectors, named in the error when a vLLM command line is reused as is
 VLLM_CONNECTORS = ("NixlConnector", "P2pNcclConnector", "MooncakeConnector", "LMCacheConnectorV1",
                    "SharedStorageConnector", "MultiConnector", "OffloadingConnector")
 EXTRA_KEYS = {
     "abort_request_timeout": "seconds a producer holds a prompt's KV for a decode server to pull (then frees it)",
-    "transfer_timeout": "seconds a consumer waits on a socket operation of one pull",
-    "retries": "pulls a consumer tries again after one fails mid-way (then the request fails)",
+    "transfer_timeout": "seconds a consumer waits for progress of one pull (then the attempt fails)",
+    "retries": "pulls a consumer tries again after one fails mid-way (then it computes the prompt itself)",
+    "transfer_port": "JaxTransferConnector: the port of the producer's jax transfer server (0: any free one)",
     "fail_after_bytes": "test hook: a producer's first fail_count pulls stop after this many bytes",
     "fail_count": "test hook: how many pulls fail_after_bytes cuts",
+    "stall_after_bytes": "test hook: every pull of a producer sends this many bytes, then hangs",
 }
+FAULT_KEYS = ("fail_after_bytes", "fail_count", "stall_after_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +49,7 @@ class KVTransferConfig:
     """
 
     kv_role: str
-    kv_connector: str = "SocketConnector"
+    kv_connector: str | None = None  # None: `default_connector(platform)`
     kv_ip: str = "127.0.0.1"
     kv_port: int = 14579
     kv_buffer_size: float = 4e9
@@ -49,10 +58,10 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_transfer_config.kv_role must be one of {list(ROLES)}, got {self.kv_role!r}")
-        if self.kv_connector not in CONNECTORS:
+        if self.kv_connector is not None and self.kv_connector not in CONNECTORS:
             vllm = f" ({self.kv_connector} is vLLM's)" if self.kv_connector in VLLM_CONNECTORS else ""
-            raise ValueError(f"kv_transfer_config.kv_connector: dcpjax has {list(CONNECTORS)} (TCP, the decode server "
-                             f"pulls from the prefill server), got {self.kv_connector!r}{vllm}; leave it out")
+            raise ValueError(f"kv_transfer_config.kv_connector: dcpjax has {transport.describe()}; got "
+                             f"{self.kv_connector!r}{vllm}; leave it out for the platform's default")
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config.kv_port must be a port in [0, 65535], got {self.kv_port!r}")
         if not isinstance(self.kv_buffer_size, (int, float)) or self.kv_buffer_size <= 0:
@@ -98,5 +107,18 @@ class KVTransferConfig:
         """The host a decode server pulls from: kv_ip, or this host's name when kv_ip binds every interface."""
         return socket.gethostname() if self.kv_ip in ("0.0.0.0", "::", "") else self.kv_ip
 
+    def on_platform(self, platform: str) -> KVTransferConfig:
+        """This config with kv_connector resolved (left out: `default_connector(platform)`)."""
+        if self.kv_connector is not None:
+            return self
+        return dataclasses.replace(self, kv_connector=default_connector(platform))
+
     def extra(self, key: str, default: float) -> float:
         return self.kv_connector_extra_config.get(key, default)
+
+
+def default_connector(platform: str) -> str:
+    """The transport a pair uses when kv_connector is left out: device to device on GPU and TPU
+    (no host copy on either side); TCP on CPU, where it measured faster (benchmarks/RESULTS.md,
+    `benchmarks/kv_transport.py`) and a device is host memory anyway."""
+    return "SocketConnector" if platform == "cpu" else "JaxTransferConnector"

@@ -5,9 +5,10 @@ needs to know nothing about its consumers. A payload stays held until its consum
 (a pull that breaks mid-way can be retried) or until the store's timeout (a consumer that never
 comes back). Protocol, one request message (header only) at a time on a connection:
 
-- `{"op": "pull", "key": K}`: the payload as one message (its header plus "key"), then the consumer
-  sends `{"op": "ack", "key": K}` and K is freed. Unknown or expired K: `{"error": "..."}`.
+- `{"op": "pull", "key": K}`: the payload as one message (`{"key": K}` and its arrays), then the
+  consumer sends `{"op": "ack", "key": K}` and K is freed. Unknown or expired K: `{"error": "..."}`.
 - `{"op": "release", "key": K}`: free K unpulled; the reply is `{"ok": true, "removed": bool}`.
+- further ops a transport adds (`extra_ops`: the device-to-device transport's control messages).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Self
 
 from . import wire
 from .store import HeldTransfers
+
+OpHandler = Callable[[socket.socket, str, dict], bool]
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +52,14 @@ class TransferServer:
 
     fault (a test hook, never for production): `{"fail_after_bytes": N, "fail_count": k}` makes the
     first k pulls (counted across connections) send only the first N bytes of the payload message
-    and close the connection, as a transfer that breaks mid-way would.
+    and close the connection, as a transfer that breaks mid-way would; `{"stall_after_bytes": N}`
+    makes every pull send N bytes and then nothing more (the connection stays open until the server
+    closes or the consumer gives up), as a producer that hangs or dies mid-pull would.
     on_sent(key, nbytes, seconds): after a pull is acknowledged (nbytes: what the store held it as).
     on_expired(keys): after the sweeper (every sweep_interval_s) freed payloads nobody pulled in time.
     on_released(key): a payload freed unpulled at a consumer's request.
+    extra_ops: more request ops, op -> handler(sock, key, request) -> whether to keep the connection.
+    on_sweep(): called by the sweeper after each sweep (a transport's own housekeeping).
     """
 
     ready_wait_s = 60.0  # how long a pull waits for a payload still being copied to the host
@@ -60,12 +67,16 @@ class TransferServer:
     def __init__(self, store: HeldTransfers, host: str = "127.0.0.1", port: int = 0, *, fault: dict | None = None,
                  on_sent: Callable[[str, int, float], None] | None = None,
                  on_expired: Callable[[list[str]], None] | None = None,
-                 on_released: Callable[[str], None] | None = None, sweep_interval_s: float = 1.0):
+                 on_released: Callable[[str], None] | None = None, sweep_interval_s: float = 1.0,
+                 extra_ops: dict[str, OpHandler] | None = None, on_sweep: Callable[[], None] | None = None):
         self.store, self.host = store, host
         self.on_sent, self.on_expired, self.on_released = on_sent, on_expired, on_released
         self.sweep_interval_s = float(sweep_interval_s)
+        self.extra_ops, self.on_sweep = dict(extra_ops or {}), on_sweep
         fault = fault or {}
         self._fail_after, self._fails_left = int(fault.get("fail_after_bytes", 0)), int(fault.get("fail_count", 0))
+        stall = fault.get("stall_after_bytes")
+        self._stall_after = None if stall is None else int(stall)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._stop = threading.Event()
@@ -112,6 +123,11 @@ class TransferServer:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def stopped(self) -> threading.Event:
+        """Set once the server closes (a stalled fault waits on it)."""
+        return self._stop
+
     def _sweep(self) -> None:
         while not self._stop.wait(self.sweep_interval_s):
             keys = self.store.expire()
@@ -120,6 +136,11 @@ class TransferServer:
                     self.on_expired(keys)
                 except Exception:  # a callback's bug must not stop the sweeping
                     logger.exception("KV transfer server: on_expired failed")
+            if self.on_sweep is not None:
+                try:
+                    self.on_sweep()
+                except Exception:
+                    logger.exception("KV transfer server: on_sweep failed")
 
     def _serve(self, sock: socket.socket) -> None:
         """One connection: requests until the consumer closes it (or breaks it)."""
@@ -142,43 +163,41 @@ class TransferServer:
         """Answer one request; False when the connection is to be closed."""
         request, _ = wire.receive_message(sock, max_header_bytes=REQUEST_HEADER_BYTES)
         op, key = request.get("op"), request.get("key")
-        if op in ("pull", "release") and not isinstance(key, str):
+        ops = {"pull": self._pull, "release": self._release, **self.extra_ops}
+        if op in ops and not isinstance(key, str):
             wire.send_message(sock, {"error": f"{op} needs a string key, got {key!r}"})
-        elif op == "pull":
-            return self._pull(sock, key)
-        elif op == "release":
-            removed = self.store.remove(key) is not None
-            if removed and self.on_released is not None:
-                self.on_released(key)
-            wire.send_message(sock, {"ok": True, "removed": removed})
+        elif op in ops:
+            return ops[op](sock, key, request)
         else:
-            wire.send_message(sock, {"error": f"unknown op {op!r}: a KV transfer server takes 'pull' and 'release'"})
+            wire.send_message(sock, {"error": f"unknown op {op!r}: a KV transfer server takes {sorted(ops)}"})
         return True
 
-    def _take_fault(self) -> int | None:
-        with self._lock:
-            if self._fails_left <= 0:
-                return None
-            self._fails_left -= 1
-            return self._fail_after
+    def _release(self, sock: socket.socket, key: str, request: dict) -> bool:
+        removed = self.store.remove(key) is not None
+        if removed and self.on_released is not None:
+            try:
+                self.on_released(key)
+            except Exception:
+                logger.exception("KV transfer server: on_released failed")
+        wire.send_message(sock, {"ok": True, "removed": removed})
+        return True
 
-    def _pull(self, sock: socket.socket, key: str) -> bool:
-        """Send key's payload, wait for the acknowledgement, free it. A break before the ack raises
-        (the connection ends) and leaves the payload held for a retry."""
-        try:
-            header, arrays = self.store.get(key, self.ready_wait_s)
-        except (KeyError, wire.TransferError) as err:
-            wire.send_message(sock, {"error": str(err.args[0]) if err.args else str(err)})
-            return True
-        started = time.perf_counter()
-        limit = self._take_fault()
-        try:
-            wire.send_message(sock, {**header, "key": key}, arrays, limit_bytes=limit)
-        except wire.TransferError as err:
-            if limit is None:
-                raise
-            logger.warning("KV transfer %s: %s (the fail_after_bytes test hook)", key, err)
-            return False
+    def take_fault(self) -> tuple[str, int] | None:
+        """The fault test hook's verdict for the pull starting now: ("fail", N) cut after N bytes,
+        ("stall", N) stop after N bytes and hang, or None."""
+        with self._lock:
+            if self._fails_left > 0:
+                self._fails_left -= 1
+                return "fail", self._fail_after
+        return None if self._stall_after is None else ("stall", self._stall_after)
+
+    def refuse(self, sock: socket.socket, err: Exception) -> None:
+        """Answer a request with its error (the consumer does not retry it)."""
+        wire.send_message(sock, {"error": str(err.args[0]) if err.args else str(err)})
+
+    def await_ack(self, sock: socket.socket, key: str, started: float) -> bool:
+        """After the payload went out: wait for the consumer's ack, free key, report it (on_sent). A
+        break before the ack raises (the connection ends) and leaves the payload held for a retry."""
         reply, _ = wire.receive_message(sock, max_header_bytes=REQUEST_HEADER_BYTES)
         if reply.get("op") != "ack" or reply.get("key") != key:
             raise wire.TransferError(f"KV transfer {key}: expected its ack, got {reply!r}")
@@ -189,3 +208,23 @@ class TransferServer:
             except Exception:  # the transfer is done; a callback's bug is only logged
                 logger.exception("KV transfer server: on_sent failed")
         return True
+
+    def _pull(self, sock: socket.socket, key: str, request: dict) -> bool:
+        """Send key's payload, wait for the acknowledgement, free it."""
+        try:
+            arrays = self.store.get(key, self.ready_wait_s)
+        except (KeyError, wire.TransferError) as err:
+            self.refuse(sock, err)
+            return True
+        started = time.perf_counter()
+        fault = self.take_fault()
+        try:
+            wire.send_message(sock, {"key": key}, arrays, limit_bytes=None if fault is None else fault[1])
+        except wire.TransferError as err:
+            if fault is None:
+                raise
+            logger.warning("KV transfer %s: %s (the %s_after_bytes test hook)", key, err, fault[0])
+            if fault[0] == "stall":
+                self._stop.wait()  # hold the connection, send nothing more, until the server closes
+            return False
+        return self.await_ack(sock, key, started)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -42,8 +43,10 @@ def resolve_dtype(name: str) -> np.dtype:
     return dtype
 
 
-def _entries(arrays: dict[str, np.ndarray]) -> list[dict]:
-    return [{"name": name, "dtype": a.dtype.name, "shape": list(a.shape)} for name, a in arrays.items()]
+def entries(arrays: dict) -> list[dict]:
+    """`{"name", "dtype", "shape"}` of each array (numpy's or JAX's), in order: what a header lists."""
+    return [{"name": name, "dtype": np.dtype(a.dtype).name, "shape": [int(d) for d in a.shape]}
+            for name, a in arrays.items()]
 
 
 def _encode_header(header: dict) -> bytes:
@@ -54,7 +57,7 @@ def message_nbytes(header: dict, arrays: dict[str, np.ndarray] | None = None) ->
     """The bytes `send_message(sock, header, arrays)` writes. On a received message it gives the bytes
     that came in (the header's encoding is deterministic and its "arrays" is rebuilt the same way)."""
     arrays = arrays or {}
-    encoded = _encode_header({**header, "arrays": _entries(arrays)})
+    encoded = _encode_header({**header, "arrays": entries(arrays)})
     return LENGTH.size + len(encoded) + sum(a.nbytes for a in arrays.values())
 
 
@@ -74,7 +77,7 @@ def send_message(sock: socket.socket, header: dict, arrays: dict[str, np.ndarray
     raise TransferError; the caller closes the socket, so the peer sees a transfer broken mid-way.
     """
     arrays = {name: np.asarray(a) for name, a in (arrays or {}).items()}
-    encoded = _encode_header({**header, "arrays": _entries(arrays)})
+    encoded = _encode_header({**header, "arrays": entries(arrays)})
     parts = [LENGTH.pack(len(encoded)) + encoded] + [_byte_view(a) for a in arrays.values()]
     total = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
     budget = total if limit_bytes is None else max(0, min(int(limit_bytes), total))
@@ -105,13 +108,13 @@ def _read_into(sock: socket.socket, view: memoryview, what: str, before: int, to
         got += n
 
 
-def _valid_entries(entries) -> bool:
+def valid_entries(listed) -> bool:
     """Whether a header's "arrays" is a list of distinct names with non-negative integer shapes."""
-    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+    if not isinstance(listed, list) or not all(isinstance(e, dict) for e in listed):
         return False
     shapes_ok = all(isinstance(e.get("shape"), list) and all(type(d) is int and d >= 0 for d in e["shape"])
-                    for e in entries)
-    names = [e.get("name") for e in entries]
+                    for e in listed)
+    names = [e.get("name") for e in listed]
     return shapes_ok and all(isinstance(n, str) for n in names) and len(set(names)) == len(names)
 
 
@@ -122,15 +125,21 @@ def _parse_header(raw: bytes) -> dict:
         raise TransferError(f"malformed KV transfer message header ({err}): not UTF-8 JSON") from None
     if not isinstance(header, dict):
         raise TransferError(f"malformed KV transfer message header: a JSON object expected, got {type(header)}")
-    if not _valid_entries(header.setdefault("arrays", [])):
+    if not valid_entries(header.setdefault("arrays", [])):
         raise TransferError('malformed KV transfer message header: "arrays" must list distinct '
                             '{"name": str, "dtype": str, "shape": [int >= 0, ...]}')
     return header
 
 
-def receive_message(sock: socket.socket, *, max_header_bytes: int = 1 << 20) -> tuple[dict, dict[str, np.ndarray]]:
+def receive_message(sock: socket.socket, *, max_header_bytes: int = 1 << 20,
+                    check_header: Callable[[dict], None] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     """Read one whole message: (header, arrays by name). Raises EndOfStream (a TransferError) when the
-    peer closed before the message began, TransferError when it is broken or malformed."""
+    peer closed before the message began, TransferError when it is broken or malformed.
+
+    check_header(header): called once the header is in, before any array's memory is allocated or
+    its bytes read; what it raises propagates (the rest of the message is left unread: the caller
+    closes the connection).
+    """
     prefix = bytearray(LENGTH.size)
     _read_into(sock, memoryview(prefix), "length prefix", 0, None)
     (length,) = LENGTH.unpack(prefix)
@@ -140,6 +149,8 @@ def receive_message(sock: socket.socket, *, max_header_bytes: int = 1 << 20) -> 
     raw = bytearray(length)
     _read_into(sock, memoryview(raw), "header", LENGTH.size, None)
     header = _parse_header(bytes(raw))
+    if check_header is not None:
+        check_header(header)
     arrays = {e["name"]: np.empty(e["shape"], resolve_dtype(e.get("dtype"))) for e in header["arrays"]}
     before = LENGTH.size + length
     total = before + sum(a.nbytes for a in arrays.values())

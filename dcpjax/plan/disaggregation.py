@@ -21,7 +21,7 @@ decode and adds to the first token's time). So the pair does the same work as on
 devices: at best, its prefill devices keeping up exactly with its decode, as many tokens per device,
 never more; what it buys is a decode that prefill never stops (ms / output token) and the freedom to
 size each side. Within 1 % of one engine per device the verdict is P/D; below, it says how many
-prefill devices would keep up. Bytes moved: `kv_transfer.resharding.kv_bytes`, the
+prefill devices would keep up. Bytes moved: `kv_transfer.layout.KVLayout.kv_bytes`, the
 producer's own count, of the layout its cache would have, plus the linear state it sends.
 """
 
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dcpjax.kv_transfer.resharding import kv_bytes
+from dcpjax.kv_transfer.layout import KVLayout
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
 from dcpjax.plan.deployment import weight_bytes_per_device
@@ -65,18 +65,20 @@ def prefill_config(cfg: ModelConfig, tp: int, dcp: int, expert_parallel: bool = 
     return pc
 
 
-def sender_layout(cfg: ModelConfig, kv_dtype) -> dict:
-    """What `kv_transfer.resharding.describe` says of a producer's cache, from the config alone: the
-    layer kinds, the distinct KV heads (the layout at TP 1 stores each once), widths and dtype."""
+def sender_layout(cfg: ModelConfig, kv_dtype) -> KVLayout:
+    """The `KVLayout` of a producer's cache from the config alone, at TP 1 (each KV head once, as
+    the producer sends them whatever its TP): layer kinds, widths and dtype."""
     kv = kv_block_layout(cfg, ParallelConfig(1), block_size=1, dtype=kv_dtype)
-    return {"layers": ["linear" if cfg.is_linear(i) else "kv" for i in range(cfg.num_hidden_layers)],
-            "kv_heads": kv.kv_slots, "pool_dims": list(kv.pool_dims), "kv_dtype": np.dtype(kv.dtype).name}
+    return KVLayout(architecture=cfg.architecture,
+                    layers=tuple("linear" if cfg.is_linear(i) else "kv" for i in range(cfg.num_hidden_layers)),
+                    kv_heads=kv.kv_slots, pool_dims=tuple(kv.pool_dims), kv_dtype=np.dtype(kv.dtype).name, tp=1,
+                    dcp=1, interleave=1, block_size=1)
 
 
 def bytes_per_request(cfg: ModelConfig, kv_dtype, input_len: int) -> int:
     """Bytes a prompt of `input_len` tokens moves from producer to consumer: its KV, and a hybrid's
     linear state of every head (float32, `linear_state_bytes` over one device)."""
-    return kv_bytes(sender_layout(cfg, kv_dtype), input_len, cfg.linear_state_bytes(1))
+    return sender_layout(cfg, kv_dtype).kv_bytes(input_len) + cfg.linear_state_bytes(1)
 
 
 def active_parameters(cfg: ModelConfig) -> float:

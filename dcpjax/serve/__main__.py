@@ -18,10 +18,10 @@ from dcpjax.engine.args import EngineArgs
 from dcpjax.entrypoints import cli
 from dcpjax.llm import LLM
 from dcpjax.serve.process.faults import DEFAULT_FAILURE_TIMEOUT
+from dcpjax.serve.process.listen import UVICORN_LOG_LEVELS, bind_port
 from dcpjax.serve.tools.parsers import PARSERS
 
 logger = logging.getLogger("dcpjax.serve")  # not __name__: that is "__main__" under python -m
-UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,22 +86,6 @@ def init_distributed(args: argparse.Namespace) -> None:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
                                    process_id=args.process_id)
-
-
-def bind_port(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (not yet listening: a client meanwhile is refused, not left
-    waiting) before the model loads, so a busy port is a one-line error in a second rather than
-    after minutes of loading; uvicorn serves on it. OSError (exit 2) names the fix."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise OSError(err.errno, f"cannot serve on {host}:{port}: {err.strerror} — pass another --port (or "
-                                 "--host), or stop the process that holds it") from None
-    return sock
 
 
 def serve_http(args: argparse.Namespace, llm, channel, sock: socket.socket) -> int:

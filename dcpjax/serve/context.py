@@ -10,6 +10,7 @@ prompt KV in whole blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING
 from fastapi.responses import StreamingResponse
 
 from dcpjax.engine.requests import RequestError
-from dcpjax.kv_transfer.connector import wants_remote_prefill
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
@@ -90,40 +90,33 @@ class ServerContext:
             raise APIError(400, str(err), param=_field_of(str(err))) from err
 
     def _transfer_args(self, body: CompletionRequest | ChatRequest) -> dict | None:
-        """extra_args carrying the body's kv_transfer_params; a 400 (503: the transfer buffer is full)
-        for what this server's connector cannot do of them."""
+        """extra_args carrying the body's kv_transfer_params (parsed by the protocol); a 400 for what no
+        server with this body can do of them (the connector's own checks run with the request)."""
         params = body.kv_transfer_params
         if params is None:
             return None
-        connector = self.llm.kv_connector
-        if connector is None:
+        if self.llm.kv_connector is None:
             raise APIError(400, "kv_transfer_params needs a server started with --kv-transfer-config (kv_producer "
                                 "for prefill, kv_consumer for decode)", param="kv_transfer_params")
-        # the rest (roles, max_tokens, n, the handle's keys) is checked with the request (engine.requests)
-        if params.get("do_remote_decode") and body.stream:
+        if params.do_remote_decode and body.stream:
             raise APIError(400, "kv_transfer_params.do_remote_decode needs stream false (the handle is in the "
                                 "response)", param="kv_transfer_params")
-        if params.get("do_remote_prefill") and (body.prompt_logprobs is not None or getattr(body, "echo", False)):
+        if params.do_remote_prefill and (body.prompt_logprobs is not None or getattr(body, "echo", False)):
             raise APIError(400, "prompt logprobs (prompt_logprobs, echo) need the prompt computed here: not with a "
                                 "transfer", param="kv_transfer_params")
-        if params.get("do_remote_decode") and connector.buffer_full:
-            raise APIError(503, "the prefill server holds kv_buffer_size bytes of KV for pulls already: retry "
-                                "shortly", "service_unavailable", param="kv_transfer_params")
         return {"kv_transfer_params": params}
 
-    async def receive_transfers(self, seqs: list[Sequence]) -> None:
-        """A decode server's request: the prompt's KV pulled from the prefill server before the
-        sequence is queued (off the event loop); 503 if the transfer fails, 400 if it is not this
-        model's or this prompt's."""
-        if self.llm.kv_connector is None:
-            return
-        for seq in (s for s in seqs if wants_remote_prefill(s) and s.transferred_kv is None):
-            try:
-                await asyncio.to_thread(self.llm.receive_transfer, seq)
-            except OSError as err:  # the transfer failed (TransferError), retried already
-                raise APIError(503, f"{err}", "service_unavailable", "kv_transfer_failed") from err
-            except ValueError as err:
-                raise APIError(400, str(err), param="kv_transfer_params") from err
+    @contextlib.contextmanager
+    def releasing_refused_handle(self, body: CompletionRequest | ChatRequest):
+        """Around a request's checks: a decode request this server refuses (4xx) frees its prompt's KV on
+        the prefill server now, rather than at the prefill server's timeout."""
+        try:
+            yield
+        except APIError as err:
+            params, connector = body.kv_transfer_params, self.llm.kv_connector
+            if err.status < 500 and params is not None and connector is not None:
+                connector.release(params)
+            raise
 
     def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt",
                   index: int = 0) -> list[Sequence]:

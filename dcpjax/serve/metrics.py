@@ -108,5 +108,5 @@ class Metrics:
         self._transfer_bytes_counted = nbytes
         for s in seconds:
             self.transfer_seconds.observe(s)
-        if connector.store is not None:
-            self.transfers_held.set(len(connector.store))
+        if connector.config.is_producer:
+            self.transfers_held.set(connector.held_transfers)

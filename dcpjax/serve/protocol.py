@@ -12,6 +12,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dcpjax.kv_transfer.params import KVTransferParams
+
 MAX_N = 16  # choices per request
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -65,9 +67,9 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, description="top logprobs per prompt token (vLLM's field; "
                                         "returned as prompt_logprobs, null for the first); at most --max-logprobs")
-    kv_transfer_params: dict | None = Field(None, description="prefill/decode disaggregation (vLLM's field): "
-                                            "{\"do_remote_decode\": true} on a prefill server (kv_producer), which "
-                                            "answers with the handle to send a decode server (kv_consumer)")
+    kv_transfer_params: KVTransferParams | None = Field(
+        None, description="prefill/decode disaggregation (vLLM's field): {\"do_remote_decode\": true} on a prefill "
+        "server (kv_producer), which answers with the handle to send a decode server (kv_consumer)")
 
 
 # OpenAI fields accepted although they do not change what is generated, with the values that are

@@ -3,6 +3,7 @@
     python -m dcpjax.serve.router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
 
 Each --prefill and --decode may be given several times: each role's servers are taken in turn.
+It imports neither JAX nor the engine (only HTTP: FastAPI, uvicorn, httpx), so it starts at once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import uvicorn
 
 from dcpjax.entrypoints import cli
-from dcpjax.serve.__main__ import UVICORN_LOG_LEVELS, bind_port
+from dcpjax.serve.process.listen import UVICORN_LOG_LEVELS, bind_port
 from dcpjax.serve.router.app import build_app
 from dcpjax.serve.router.proxy import backend_url
 

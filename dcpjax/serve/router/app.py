@@ -5,13 +5,16 @@ One `httpx.AsyncClient` serves every request (created at startup, closed at shut
 connection pool keeps the backends' connections open between requests, which a client per
 request would reopen each time. Errors are OpenAI-style bodies (`dcpjax.serve.errors`), the
 same as a server's, and bad input is a 4xx, never a 500.
+
+The router speaks only HTTP to its backends, never the KV transfer wire: the servers own the KV.
+A decode server that refuses a request (a 4xx) releases its handle on the prefill server itself,
+and the router relays that 4xx as is. So this package imports neither JAX nor the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 import uuid
 from collections.abc import Sequence
@@ -23,7 +26,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import dcpjax
-from dcpjax.kv_transfer.client import release
 from dcpjax.serve.errors import APIError, add_error_handling, error_response
 from dcpjax.serve.router.checks import check_pd_request, parse_body
 from dcpjax.serve.router.metrics import RouterMetrics
@@ -61,7 +63,6 @@ class Router:
     def __init__(self, prefill: Backends, decode: Backends, timeout: float, metrics: RouterMetrics):
         self.prefill, self.decode, self.timeout, self.metrics = prefill, decode, timeout, metrics
         self.client: httpx.AsyncClient | None = None  # the app's lifespan opens and closes it
-        self._releases: set[asyncio.Future] = set()  # releases under way (kept referenced until done)
 
     async def generate(self, request: Request, path: str) -> Response:
         """One completion through both hops, counted by its outcome."""
@@ -103,29 +104,18 @@ class Router:
 
     async def _decode(self, path: str, body: dict, params: dict,
                       headers: dict[str, str]) -> tuple[Response, str | None]:
-        """The second hop: the client's own request with the handle; its answer, relayed."""
+        """The second hop: the client's own request with the handle; its answer, relayed. A decode
+        server that refuses the request (a 4xx, before its pull) releases the handle's KV on the
+        prefill server itself: the router only relays its answer."""
         url = self.decode.next()
         # any stream value but false/absent: a backend reads "true" and 1 as true, and a stream relays a JSON
         # answer just as well, so this never buffers what the client expects as events
         stream = body.get("stream") not in (None, False)
         answer = await send(self.client, "decode", url, "POST", path, headers=headers,
                             body=decode_body(body, params), stream=stream, timeout=self.timeout, note=KV_KEPT)
-        if 400 <= answer.status_code < 500:  # refused before its pull: the prefill server need not keep the KV
-            self._release(params)
         if stream:
             return await relay_stream(answer, url, self.timeout, self.metrics.count)
         return relay(answer), "ok" if answer.status_code < 400 else "decode_error"
-
-    def _release(self, params: dict) -> None:
-        """Ask the prefill server to free a handle's KV now (best effort, in the background: its
-        timeout frees it otherwise)."""
-        try:
-            host, port, key = params["remote_host"], int(params["remote_port"]), str(params["remote_request_id"])
-        except (KeyError, TypeError, ValueError):
-            return
-        task = asyncio.get_running_loop().run_in_executor(None, functools.partial(release, host, port, key))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
 
     async def models(self, request: Request) -> Response:
         """A decode server's /v1/models (the pair serves the same model)."""

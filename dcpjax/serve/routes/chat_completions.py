@@ -53,14 +53,14 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
               responses=responses("/v1/chat/completions"))
     async def chat(body: ChatRequest):
         """Answer a conversation (the model's chat template); `stream: true` answers with server-sent events."""
-        server.check_model(body.model)
-        parser, opening = server.tools.parser_for(body)
-        ids, text = chat_prompt(server, body, tool_definitions(body), opening)
-        limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        params = server.sampling(body, getattr(body, limit), (body.top_logprobs or 0) if body.logprobs else None,
-                                 limit)
-        seqs = server.sequences(ids, text, params, param="messages")
-        await server.receive_transfers(seqs)
+        with server.releasing_refused_handle(body):  # a refused decode request frees its KV at once
+            server.check_model(body.model)
+            parser, opening = server.tools.parser_for(body)
+            ids, text = chat_prompt(server, body, tool_definitions(body), opening)
+            limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            params = server.sampling(body, getattr(body, limit), (body.top_logprobs or 0) if body.logprobs else None,
+                                     limit)
+            seqs = server.sequences(ids, text, params, param="messages")
         head = {"id": prompt_key(seqs[0]).replace("cmpl-", "chatcmpl-"), "model": server.model}
         if body.stream:
             async def chunks():

@@ -88,21 +88,21 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
     @app.post("/v1/completions", response_model=CompletionResponse, responses=responses("/v1/completions"))
     async def completions(body: CompletionRequest):
         """Complete a prompt (text or token ids); `stream: true` answers with server-sent events."""
-        server.check_model(body.model)
-        _check_echo(body)
-        prompts = _prompts(server, body)
-        if body.kv_transfer_params is not None and len(prompts) > 1:  # one handle: one prompt's KV
-            raise APIError(400, f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send one "
-                                "request per prompt", param="kv_transfer_params")
-        max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
-        # echo with logprobs returns the prompt's logprobs too
-        prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
-        if prompt_top is not None and body.prompt_logprobs is not None:
-            prompt_top = max(prompt_top, body.prompt_logprobs)
-        params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
-        groups = [server.sequences(ids, text, params, index=i) for i, (ids, text) in enumerate(prompts)]
-        seqs = [seq for group in groups for seq in group]
-        await server.receive_transfers(seqs)
+        with server.releasing_refused_handle(body):  # a refused decode request frees its KV at once
+            server.check_model(body.model)
+            _check_echo(body)
+            prompts = _prompts(server, body)
+            if body.kv_transfer_params is not None and len(prompts) > 1:  # one handle: one prompt's KV
+                raise APIError(400, f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send "
+                                    "one request per prompt", param="kv_transfer_params")
+            max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
+            # echo with logprobs returns the prompt's logprobs too
+            prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
+            if prompt_top is not None and body.prompt_logprobs is not None:
+                prompt_top = max(prompt_top, body.prompt_logprobs)
+            params = server.sampling(body, max_tokens, body.logprobs, prompt_logprobs=prompt_top)
+            groups = [server.sequences(ids, text, params, index=i) for i, (ids, text) in enumerate(prompts)]
+            seqs = [seq for group in groups for seq in group]
         head = {"id": prompt_key(seqs[0]), "object": "text_completion", "model": server.model}
         builders = [_Choices(server, body, ids, text) for ids, text in prompts]
         if body.stream:
