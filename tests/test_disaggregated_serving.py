@@ -2,6 +2,7 @@
 server at another layout and `python -m dcpjax.serve.router` in front; the decode server alone
 (no kv_transfer_params) is the single engine at the consumer's layout the tokens must equal."""
 
+import concurrent.futures
 import contextlib
 import json
 import pathlib
@@ -21,16 +22,19 @@ COMMON = ["tiny-llama", "--max-model-len", "160", "--kv-cache-memory-bytes", "10
 PROMPT = "hello world, this prompt crosses a block of sixteen and an interleave run"
 
 
-def producer(extra: dict | None = None):
-    config = {"kv_role": "kv_producer", "kv_port": 0, "kv_connector_extra_config": {"abort_request_timeout": 3}}
+def producer(extra: dict | None = None, connector: str | None = None):
+    config = {"kv_role": "kv_producer", "kv_port": 0, "kv_connector_extra_config": {"abort_request_timeout": 3},
+              "kv_connector": connector}
     config["kv_connector_extra_config"] |= extra or {}
     return start_server([*COMMON, "--num-cpu-devices", "2", "-tp", "2", "--kv-transfer-config", json.dumps(config)],
                         timeout=180)
 
 
-def consumer():
+def consumer(connector: str | None = None):
+    config = json.dumps({"kv_role": "kv_consumer", "kv_connector": connector,
+                         "kv_connector_extra_config": {"transfer_timeout": 2}})
     return start_server([*COMMON, "--num-cpu-devices", "8", "-tp", "8", "-dcp", "4", "--cp-kv-cache-interleave-size",
-                         "2", "--block-size", "8", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'], timeout=180)
+                         "2", "--block-size", "8", "--kv-transfer-config", config], timeout=180)
 
 
 @contextlib.contextmanager
@@ -150,12 +154,15 @@ def test_a_gone_decode_server_is_a_503_and_the_producer_frees_the_kv():
         assert metric(p.base_url, "kv_transfer_held_requests") == 0
 
 
+@pytest.mark.parametrize("connector", ["SocketConnector", "JaxTransferConnector"])
 @pytest.mark.parametrize("fail_count, ok", [(1, True), (2, False)])
-def test_a_transfer_cut_mid_way_is_retried_once(fail_count, ok):
+def test_a_transfer_cut_mid_way_is_retried_once(fail_count, ok, connector):
     """Cut once: the retry brings it. Cut twice: the decode server computes the prompt itself (vLLM's
     kv_load_failure_policy "recompute"): the client gets the same answer, later."""
-    with producer({"fail_after_bytes": 1000, "fail_count": fail_count}) as p, consumer() as d, \
-            router(p.base_url, d.base_url) as r:
+    # the device transport sees a cut pull only when it stops progressing (transfer_timeout 2 s): the producer
+    # holds the KV long enough for the retry
+    cut = {"fail_after_bytes": 1000, "fail_count": fail_count, "abort_request_timeout": 8}
+    with producer(cut, connector) as p, consumer(connector) as d, router(p.base_url, d.base_url) as r:
         answer = httpx.post(f"{r}/v1/completions", json=_body(), timeout=60)
         alone = httpx.post(f"{d.base_url}/v1/completions", json=_body(), timeout=60).json()
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == alone["choices"][0]["text"]
@@ -163,10 +170,31 @@ def test_a_transfer_cut_mid_way_is_retried_once(fail_count, ok):
             assert eventually(lambda: metric(d.base_url, "kv_transfers", "received") == 1)
         else:
             assert eventually(lambda: metric(d.base_url, "kv_transfers", "failed") == 1)
-            assert eventually(lambda: metric(p.base_url, "kv_transfers", "expired") == 1, 10)
+            assert eventually(lambda: metric(p.base_url, "kv_transfers", "expired") == 1, 15)
             assert metric(p.base_url, "kv_transfer_held_requests") == 0
         assert eventually(lambda: metric(p.base_url, "kv_cache_usage_perc") == 0
                           == metric(d.base_url, "kv_cache_usage_perc"))
+
+
+@pytest.mark.parametrize("connector", ["SocketConnector", "JaxTransferConnector"])
+def test_a_producer_gone_mid_pull_leaves_the_decode_server_whole(connector):
+    """The producer stalls mid-pull and is then killed: the decode server's pull fails within its
+    transfer_timeout (no hang), it computes the prompt itself, answers as alone, and holds nothing."""
+    with consumer(connector) as d:
+        with producer({"stall_after_bytes": 1000}, connector) as p, router(p.base_url, d.base_url) as r, \
+                concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(httpx.post, f"{r}/v1/completions", json=_body(logprobs=1), timeout=120)
+            assert eventually(lambda: metric(p.base_url, "kv_transfer_held_requests") == 1, 30)
+            time.sleep(1.0)  # the pull has started and stalls
+            p.procs[-1].kill()
+            answer = answer.result()
+        alone = httpx.post(f"{d.base_url}/v1/completions", json=_body(logprobs=1), timeout=60).json()
+        assert answer.status_code == 200, answer.text
+        got, want = answer.json()["choices"][0], alone["choices"][0]
+        assert got["text"] == want["text"]
+        assert np.allclose(got["logprobs"]["token_logprobs"], want["logprobs"]["token_logprobs"], atol=1e-5)
+        assert eventually(lambda: metric(d.base_url, "kv_transfers", "failed") == 1)
+        assert eventually(lambda: metric(d.base_url, "kv_cache_usage_perc") == 0)
 
 
 # -- the issue's layouts: every model family that moves a different cache ---------------------------
@@ -189,27 +217,44 @@ LAYOUTS = {
 }
 
 
+def moved_tokens(n: int, prefill: list[str], connector: str) -> int:
+    """Tokens a prompt of n moves: n, or on the device transport each producer rank's gather bucket (blocks
+    of 16 x DCP, rounded up to a power of two)."""
+    if connector == "SocketConnector":
+        return n
+    dcp = int(prefill[prefill.index("-dcp") + 1]) if "-dcp" in prefill else 1
+    blocks = -(-n // (16 * dcp))
+    return (1 << max(0, blocks - 1).bit_length()) * 16 * dcp
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("case", LAYOUTS)
-def test_each_model_family_through_the_router(case):
+@pytest.mark.parametrize("case, connector", [(case, "SocketConnector") for case in LAYOUTS] + [
+    ("smollm2 TP 3 -> TP 9 / DCP 3", "JaxTransferConnector"),
+    ("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "JaxTransferConnector")])
+def test_each_model_family_through_the_router(case, connector):
     """Greedy tokens through the router equal the decode server alone (a single engine at the consumer's
-    layout), for prompts around a block (16), an interleave run (16 or 4) and DCP 3's 48-token cycle;
-    the producer sent, per request, the prompt's analytic KV bytes (plus the hybrid's state)."""
+    layout), their logprobs within 1e-5, for prompts around a block (16), an interleave run (16 or 4)
+    and DCP 3's 48-token cycle; the producer sent, per request, the prompt's analytic KV bytes (plus the
+    hybrid's state; on the device transport, each rank's tokens padded to its gather's bucket)."""
     model, prefill, decode, bytes_per_token, state_bytes = LAYOUTS[case]
     def server(layout: list[str], role: str):
-        config = json.dumps({"kv_role": role, "kv_port": 0})
+        config = json.dumps({"kv_role": role, "kv_port": 0, "kv_connector": connector})
         return start_server([model, *SMALL, *layout, "--num-cpu-devices", "9", "--kv-transfer-config", config],
                             timeout=300)
 
     with server(prefill, "kv_producer") as p, server(decode, "kv_consumer") as d, router(p.base_url, d.base_url) as r:
         rng, expected_bytes = np.random.default_rng(0), 0
         for n in (1, 15, 17, 49, 70):
-            body = {"model": model, "prompt": rng.integers(3, 500, n).tolist(), "max_tokens": 6, "temperature": 0}
+            body = {"model": model, "prompt": rng.integers(3, 500, n).tolist(), "max_tokens": 6, "temperature": 0,
+                    "logprobs": 1}
             alone = httpx.post(f"{d.base_url}/v1/completions", json=body, timeout=300).json()
             via = httpx.post(f"{r}/v1/completions", json=body, timeout=300).json()
             assert via["choices"][0]["text"] == alone["choices"][0]["text"], (n, via, alone)
+            got, want = (np.array(x["choices"][0]["logprobs"]["token_logprobs"]) for x in (via, alone))
+            # the first token is the producer's, computed at its own TP (float32 rounding of another split)
+            assert abs(got[0] - want[0]) <= 5e-5 and np.allclose(got[1:], want[1:], atol=1e-5, rtol=0), (n, got, want)
             assert via["usage"] == alone["usage"]
-            expected_bytes += n * bytes_per_token + state_bytes
+            expected_bytes += moved_tokens(n, prefill, connector) * bytes_per_token + state_bytes
         assert eventually(lambda: metric(p.base_url, "kv_transfer_bytes") == expected_bytes
                           == metric(d.base_url, "kv_transfer_bytes"))
         assert eventually(lambda: metric(p.base_url, "kv_cache_usage_perc") == 0

@@ -45,7 +45,8 @@ class KVTransferConfig:
     kv_ip / kv_port: where a producer's transfer server listens (port 0: one the system picks),
     advertised in each response's kv_transfer_params: across hosts, an address the decode servers
     reach (a wildcard 0.0.0.0 or :: advertises this host's name). kv_buffer_size: the most bytes of
-    KV a producer holds for pulls at once (a request past it is answered 503, retryable).
+    KV a producer holds for pulls at once, never passed: a prompt starts once its KV fits beside the
+    transfers not yet pulled (`scheduler_side.KVConnectorScheduler.can_admit`).
     """
 
     kv_role: str
