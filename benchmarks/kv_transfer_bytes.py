@@ -80,20 +80,19 @@ def measured_check() -> None:
     d = dcpjax.LLM("tiny-llama", tensor_parallel_size=8, decode_context_parallel_size=4, cp_kv_cache_interleave_size=2,
                    kv_transfer_config={"kv_role": "kv_consumer"}, **common)
     seen = {"device->host": 0, "host->device": 0}
-    gather, scatter = device_io.KVMover.gather, device_io.KVMover.scatter
+    gather, place = device_io.KVMover.gather, device_io.KVMover.place
 
     def counting_gather(self, blocks, slot):
         arrays, tokens = gather(self, blocks, slot)
         seen["device->host"] += sum(a.nbytes for a in arrays.values())
         return arrays, tokens
 
-    def counting_scatter(self, updates, *args):
-        devices = len(self.update_sharding.device_set)  # each receives its shard of every field
-        seen["host->device"] += sum(int(np.prod(self.update_sharding.shard_shape(a.shape))) * a.itemsize * devices
-                                    for a in updates.values())
-        return scatter(self, updates, *args)
+    def counting_place(self, updates, states):
+        placed = place(self, updates, states)
+        seen["host->device"] += sum(s.data.nbytes for a in placed[0].values() for s in a.addressable_shards)
+        return placed
 
-    device_io.KVMover.gather, device_io.KVMover.scatter = counting_gather, counting_scatter
+    device_io.KVMover.gather, device_io.KVMover.place = counting_gather, counting_place
     try:
         ids = list(np.random.default_rng(0).integers(3, 250, n))
         handoff = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
@@ -101,7 +100,7 @@ def measured_check() -> None:
         d.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=2,
                                                                extra_args={"kv_transfer_params": handle}))
     finally:
-        device_io.KVMover.gather, device_io.KVMover.scatter = gather, scatter
+        device_io.KVMover.gather, device_io.KVMover.place = gather, place
     cfg = p.model_config
     want = legs(n, p_side, d_side, layers=cfg.num_kv_layers, kv_heads=cfg.num_key_value_heads,
                 dims=(cfg.head_dim, cfg.head_dim))["after"]

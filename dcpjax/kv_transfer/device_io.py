@@ -158,22 +158,25 @@ class KVMover:
         return out, len(ids) * self.layout.block_size
 
     # -- in --------------------------------------------------------------------------------------
-    def scatter(self, updates: dict[str, np.ndarray], states: dict[int, dict[str, np.ndarray]],
-                lengths: Sequence[int], blocks: Sequence[int], slot: int) -> None:
-        """Write a sequence's arriving KV into `blocks` and `slot`; the runner's next call reads it.
-
-        updates: per pool field of the producer, [DCP, kv_layers, kv_slots, tokens, dim] in this
-        cache's local orders (`resharding.for_receiver`), the producer's dtype; lengths [DCP]: the
-        positions each rank owns; states: per linear layer its state row by field."""
-        lay = self.layout
-        tokens = next(iter(updates.values())).shape[3]
-        table = np.zeros(-(-tokens // lay.block_size), np.int32)
-        used = min(len(blocks), len(table))
-        table[:used] = blocks[:used]
+    def place(self, updates: dict[str, np.ndarray], states: dict[int, dict[str, np.ndarray]]) -> tuple:
+        """Arriving KV onto the devices (any thread: the cache is not touched), each device receiving its
+        rank's positions of its own head slots. updates: per pool field of the producer, [DCP,
+        kv_layers, kv_slots, tokens, dim] in this cache's local orders (`resharding.for_receiver`), in the
+        producer's dtype; states: per linear layer its state row by field."""
         placed = {f: jax.device_put(a, self.update_sharding) for f, a in updates.items()}
         rows = {i: LinearState(*(jax.device_put(row[f], self.state_sharding) for f in STATE_FIELDS))
                 for i, row in states.items()}
-        self.runner.kv_caches = self._scatter(self.runner.kv_caches, placed, rows, np.asarray(lengths, np.int32),
+        return placed, rows
+
+    def scatter(self, placed: tuple, lengths: Sequence[int], blocks: Sequence[int], slot: int) -> None:
+        """Write `place`d KV into `blocks` and `slot` (the engine's thread: the runner's next call reads
+        it); lengths [DCP]: the positions each rank owns."""
+        updates, rows = placed
+        tokens = next(iter(updates.values())).shape[3]
+        table = np.zeros(-(-tokens // self.layout.block_size), np.int32)
+        used = min(len(blocks), len(table))
+        table[:used] = blocks[:used]
+        self.runner.kv_caches = self._scatter(self.runner.kv_caches, updates, rows, np.asarray(lengths, np.int32),
                                               table, np.int32(slot))
 
     # -- the programs ------------------------------------------------------------------------------

@@ -146,19 +146,22 @@ class KVConnectorWorker:
                              f"{sender.padded_tokens(params.num_tokens)}")
         specs = sender.wire_specs(params.num_tokens, padded)
         started = time.perf_counter()
-        result = self.receiver.pull(params.remote_address, params.remote_request_id, specs)
-        self.changed.set()
-        return sender, params, result, started
+        try:
+            result = self.receiver.pull(params.remote_address, params.remote_request_id, specs)
+            arrays = result.arrays
+            if padded:
+                arrays = {k: (a if is_state(k) else a[0]) for k, a in arrays.items()}
+            # off the engine thread: this cache's local orders on the host, then onto the devices
+            updates, states, lengths = for_receiver(arrays, sender, self.layout, params.num_tokens,
+                                                    params.wire_tokens)
+            return self.mover.place(updates, states), lengths, result.nbytes, started
+        finally:
+            self.changed.set()
 
-    def _place(self, load: LoadSpec, sender: KVLayout, params: KVTransferParams, result, started: float) -> None:
-        """On the engine thread: the pulled KV into the load's blocks and slot."""
-        arrays = result.arrays
-        if params.wire_tokens is not None:
-            arrays = {k: (a if is_state(k) else a[0]) for k, a in arrays.items()}
-        updates, states, lengths = for_receiver(arrays, sender, self.layout, params.num_tokens,
-                                                params.wire_tokens)
-        self.mover.scatter(updates, states, lengths, load.block_ids, load.slot)
-        self.stats.count("received", result.nbytes, time.perf_counter() - started)
+    def _place(self, load: LoadSpec, placed: tuple, lengths: list[int], nbytes: int, started: float) -> None:
+        """On the engine thread: the arrived KV into the load's blocks and slot."""
+        self.mover.scatter(placed, lengths, load.block_ids, load.slot)
+        self.stats.count("received", nbytes, time.perf_counter() - started)
 
     def release(self, params: KVTransferParams) -> None:
         """Tell the producer to free a handle's KV now (a request it ended, or this server refused):
