@@ -129,7 +129,7 @@ class Engine:
         for seq in self.scheduler.unfinished():
             seq.finish_reason = "abort"
         if self.kv_connector is not None:
-            self.runner.kv_connector.reset()  # loads under way are dropped: their blocks go back now
+            self.runner.drop_kv_transfers()  # loads under way are dropped: their blocks go back now
         self.scheduler.reset()
 
     def reset_prefix_cache(self) -> bool:
@@ -193,7 +193,7 @@ class Engine:
         t.model_calls += len(dispatched)
         if not dispatched and not self.in_flight:
             if self.kv_connector is not None and self.scheduler.waits_for_transfers:
-                self.runner.kv_connector.wait(0.01)  # nothing to run until a transfer moves on
+                self.runner.wait_for_kv_transfers(0.01)  # nothing to run until a transfer moves on
             elif self.scheduler.waiting and not self.scheduler.running:
                 raise RuntimeError("the first waiting request does not fit in an empty KV cache")
         if self.async_scheduling:
@@ -212,7 +212,7 @@ class Engine:
         report of what finished back to the scheduler."""
         if self.kv_connector is not None:
             meta = self.scheduler.build_connector_meta()
-            self.scheduler.update_connector_output(self.runner.kv_connector.step(meta))
+            self.scheduler.update_connector_output(self.runner.kv_connector_step(meta))
 
     def _read(self, dispatched: InFlight) -> list[Sequence]:
         """A dispatched call's outputs: the scheduler's bookkeeping first, then the tokens; frees and

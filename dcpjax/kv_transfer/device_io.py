@@ -79,11 +79,8 @@ class KVMover:
         self._cache_specs, self._stacked_spec, self._row_spec = specs, stacked, row
         self._scatters: dict[tuple[str, ...], object] = {}  # by the producer's pool fields (its dtype's)
 
-    def _scatter(self, caches, updates: dict, *args):
-        """The scatter program for these pools (an fp8 producer's carry scales)."""
-        return self._scatter_program(tuple(updates))(caches, updates, *args)
-
     def _scatter_program(self, fields: tuple[str, ...]):
+        """The scatter program for a producer's pools (an fp8 producer's carry scales): one per set."""
         if fields not in self._scatters:
             scalar = PartitionSpec()
             in_specs = (self._cache_specs, {f: self._stacked_spec for f in fields},
@@ -176,8 +173,8 @@ class KVMover:
         table = np.zeros(-(-tokens // self.layout.block_size), np.int32)
         used = min(len(blocks), len(table))
         table[:used] = blocks[:used]
-        self.runner.kv_caches = self._scatter(self.runner.kv_caches, updates, rows, np.asarray(lengths, np.int32),
-                                              table, np.int32(slot))
+        self.runner.write_kv_caches(self._scatter_program(tuple(updates)), updates, rows,
+                                    np.asarray(lengths, np.int32), table, np.int32(slot))
 
     # -- the programs ------------------------------------------------------------------------------
     def _gather_body(self, caches, ids, slot):

@@ -97,6 +97,9 @@ class ModelRunner:
         self.ready = False  # set by `mark_ready`: a shape compiled after it is a compile a user waits for
         self.precompiled = False  # set by `precompile`: then a compile after ready is a bug, not a choice
         self.steps_compiled_after_ready = 0
+        # prefill/decode disaggregation: the KV connector's worker side (`kv_transfer.worker_side`, set by
+        # the connector, which the runner does not import): saves and loads of whole prompts' KV
+        self.kv_connector = None
 
     def _zeros(self, shape, dtype, spec):
         """A sharded array of zeros, `shape` being each device's part. Made by a shard_map like the
@@ -279,6 +282,25 @@ class ModelRunner:
                                         spec((vocab,), jnp.int32), spec(words, jnp.int32),
                                         spec((words[1] - 1,), jnp.int32))
         self._install.lower(self.processor_state, row).compile()
+
+    # -- the KV connector's messages (vLLM's worker: bind_connector_metadata, get_finished) -------
+    def kv_connector_step(self, meta):
+        """Hand the scheduler's `KVConnectorMetadata` to the connector's worker side, which starts
+        its saves and loads; returns its `KVConnectorOutput` (what finished since the last call)."""
+        return self.kv_connector.step(meta)
+
+    def wait_for_kv_transfers(self, timeout_s: float) -> None:
+        """Block until a KV transfer moves on, or timeout_s (an engine with nothing else to run)."""
+        self.kv_connector.wait(timeout_s)
+
+    def drop_kv_transfers(self) -> None:
+        """Forget the loads under way (the engine failed a step and frees every block)."""
+        self.kv_connector.reset()
+
+    def write_kv_caches(self, program, *args) -> None:
+        """Run a connector's jitted `program(kv_caches, *args) -> kv_caches` (a scatter of arrived KV;
+        the caches donated) in order with the steps: the next call reads what it wrote."""
+        self.kv_caches = program(self.kv_caches, *args)
 
     def mark_ready(self) -> None:
         """From now on a shape that XLA compiles (not one loaded from the persistent cache) is a
