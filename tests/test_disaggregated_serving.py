@@ -133,6 +133,31 @@ def test_requests_a_server_cannot_serve_are_answered_4xx_or_503(servers):
     assert metric(p, "kv_cache_usage_perc") == 0 == metric(d, "kv_cache_usage_perc")
 
 
+def test_a_first_token_that_ends_the_request_answers_at_once_and_frees_the_kv(servers):
+    """max_tokens 1 on the decode server: the producer's first token is the whole answer, on an idle
+    server too (nothing to step), and the KV is released, never pulled."""
+    p, d, _ = servers
+    handle = httpx.post(f"{p}/v1/completions", json=_body(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                        timeout=60).json()["kv_transfer_params"]
+    before = metric(p, "kv_transfers", "released")
+    started = time.monotonic()
+    answer = httpx.post(f"{d}/v1/completions", json=_body(max_tokens=1, kv_transfer_params=handle), timeout=10)
+    assert answer.status_code == 200 and time.monotonic() - started < 5
+    assert answer.json()["usage"]["completion_tokens"] == 1
+    assert eventually(lambda: metric(p, "kv_transfers", "released") == before + 1, 2.5)
+
+
+def test_a_body_the_decode_server_cannot_parse_still_frees_the_kv(servers):
+    """A 400 from the body's own validation (before any route runs) releases a handle that parses."""
+    p, d, _ = servers
+    handle = httpx.post(f"{p}/v1/completions", json=_body(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                        timeout=60).json()["kv_transfer_params"]
+    before = metric(p, "kv_transfers", "released")
+    answer = httpx.post(f"{d}/v1/completions", json=_body(temperature="hot", kv_transfer_params=handle), timeout=10)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature"
+    assert eventually(lambda: metric(p, "kv_transfers", "released") == before + 1, 2.5)
+
+
 def test_a_request_the_decode_server_refuses_frees_the_producers_kv_at_once(servers):
     """The prefill saw max_tokens 1; the decode server refuses 1000 (past max_model_len) and tells the
     producer to free the KV now, not after abort_request_timeout (the router speaks no KV wire)."""

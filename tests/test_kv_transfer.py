@@ -137,6 +137,29 @@ def test_a_first_token_that_ends_the_request_pulls_nothing():
     assert p.engine.kv_connector.scheduler.reserved_bytes == 0
 
 
+def test_aborted_decode_requests_hold_nothing():
+    """A decode request aborted while queued tells the producer to free the KV at once; one aborted
+    while its KV is on the way frees its blocks once the load reports (the pull frees the KV)."""
+    p, d, _ = _engines("tiny-llama", dict(tensor_parallel_size=2), dict(tensor_parallel_size=4))
+    prompts = _prompts(p.vocab_size)[3:]  # 17, 40 and 70 tokens
+    handoff = SamplingParams(temperature=0, max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    handles = [h.kv_transfer_params for h in p.generate(prompts, handoff)]
+    seqs = [d.make_sequences(prompt, SamplingParams(temperature=0, max_tokens=6, extra_args={
+        "kv_transfer_params": h}), 0, request_id=f"r{i}")[0] for i, (prompt, h) in enumerate(zip(prompts, handles))]
+    for seq in seqs:
+        d.engine.add(seq)
+    d.engine.abort("r0")  # still queued: nothing was pulled
+    d.engine.step()  # r1 and r2 admitted: their loads start
+    d.engine.abort("r1")  # its load under way: its blocks stay until it reports
+    while d.engine.has_work():
+        d.engine.step()
+    assert seqs[2].finished and seqs[2].finish_reason == "length" and d.engine.kv_usage == 0
+    _wait_for(lambda: p.engine.kv_connector.held_transfers == 0)  # r0 released; r1 pulled or released
+    p.engine.step()
+    assert p.engine.kv_connector.scheduler.reserved_bytes == 0
+    assert d.engine.kv_connector.stats.outcomes == {"released": 1, "received": 2}
+
+
 def _wait_for(condition, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -265,7 +288,7 @@ def test_sixteen_prompts_against_a_buffer_of_three_stay_within_it():
     while p.engine.has_work() or d.engine.has_work():
         if p.engine.has_work():
             for seq in p.engine.step().finished:
-                params = SamplingParams(temperature=0, max_tokens=8,
+                params = SamplingParams(temperature=0, max_tokens=30,  # 40 + 30 tokens grow past 2 blocks
                                         extra_args={"kv_transfer_params": seq.kv_transfer_params})
                 decoding.append(d.make_sequences({"prompt_token_ids": seq.prompt_ids}, params, 0,
                                                  request_id=f"d{seq.request_id}")[0])
@@ -279,10 +302,13 @@ def test_sixteen_prompts_against_a_buffer_of_three_stay_within_it():
     assert peak == bound  # the buffer was the limit: three prompts at once
     alone = dcpjax.LLM("tiny-llama", tensor_parallel_size=4, decode_context_parallel_size=2, **common)
     want = alone.generate([{"prompt_token_ids": ids} for ids in prompts],
-                          SamplingParams(temperature=0, max_tokens=8))
+                          SamplingParams(temperature=0, max_tokens=30))
     assert [s.output_ids for s in decoding] == [w.outputs[0].token_ids for w in want]
     outcomes = d.engine.kv_connector.stats.outcomes  # a first token that is EOS pulls nothing: released
     assert set(outcomes) <= {"received", "released"} and sum(outcomes.values()) == 16 and outcomes["received"] > 8
+    # preempted after their load, sequences computed their prompts here: no second pull of an acknowledged key
+    # (it would be refused and counted "failed")
+    assert d.engine.num_preemptions > 0
     _wait_for(lambda: p.engine.kv_connector.held_transfers == 0)
     p.engine.step()
     assert p.engine.kv_connector.scheduler.reserved_bytes == 0 and p.engine.kv_usage == 0 and d.engine.kv_usage == 0
@@ -355,8 +381,8 @@ def test_requests_a_role_cannot_serve_are_refused_offline():
              (d, 5, {"kv_transfer_params": {**_handle(d), "first_token": {"id": "7"}}},
               "kv_transfer_params.first_token.id: Input should be a valid integer"),
              (d, 5, {"kv_transfer_params": {"do_remote_prefill": True, "remote_host": "127.0.0.1"}},
-              ("kv_transfer_params lacks ['kv_connector', 'remote_port', 'remote_request_id', 'num_tokens', "
-               "'kv_layout', 'prompt_sha256', 'first_token']"))]
+              ("kv_transfer_params lacks ['kv_connector', 'remote_port', 'remote_address', 'remote_request_id', "
+               "'num_tokens', 'kv_layout', 'prompt_sha256', 'first_token']"))]
     for llm, max_tokens, extra, message in cases:
         with pytest.raises(RequestError, match=re.escape(message)) as err:
             llm.generate("hello", SamplingParams(max_tokens=max_tokens, extra_args=extra))

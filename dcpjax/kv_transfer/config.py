@@ -8,8 +8,9 @@ kv_connector names the transport (`transport.TRANSPORTS`): JaxTransferConnector
 out, the platform's default (`default_connector`). Both servers of a pair must use the same one.
 
 kv_producer: a prefill server; a request with `kv_transfer_params: {"do_remote_decode": true}`
-runs its prompt, and its KV (and a hybrid model's linear state) is held on the host for a
-decode server to pull. kv_consumer: a decode server; a request with the producer's
+runs its prompt, and its KV (and a hybrid model's linear state) is held for a decode server to
+pull (on its devices with JaxTransferConnector, on its host with SocketConnector). kv_consumer: a
+decode server; a request with the producer's
 `kv_transfer_params` pulls that KV, re-shards it into its own cache and decodes. kv_both: either.
 """
 
@@ -120,6 +121,7 @@ class KVTransferConfig:
 
 def default_connector(platform: str) -> str:
     """The transport a pair uses when kv_connector is left out: device to device on GPU and TPU
-    (no host copy on either side); TCP on CPU, where it measured faster (benchmarks/RESULTS.md,
-    `benchmarks/kv_transport.py`) and a device is host memory anyway."""
+    (the producer makes no host copy and the bytes cross once, from its devices); TCP on CPU, where it
+    measured about 2x faster (benchmarks/RESULTS.md, `benchmarks/kv_transport.py`) and a device is
+    host memory anyway. Not yet measured on a GPU (see docs/serving.md)."""
     return "SocketConnector" if platform == "cpu" else "JaxTransferConnector"

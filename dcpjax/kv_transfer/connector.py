@@ -75,7 +75,7 @@ class KVConnector:
         runner.kv_connector = self.worker
         self.scheduler = KVConnectorScheduler(config, self.mover.layout, runner.cfg.vocab_size,
                                               address=self._advertised(sender),
-                                              pads_wire=device_transport)
+                                              pads_wire=device_transport, release=self.worker.release)
 
     def _advertised(self, sender) -> dict | None:
         """The sender's address as decode servers reach it (a wildcard kv_ip: this host's name)."""

@@ -90,12 +90,6 @@ class KVMover:
                                                            check_vma=False), donate_argnums=0)
         return self._scatters[fields]
 
-    @property
-    def state_row_bytes(self) -> int:
-        """Bytes of one slot's linear-attention state, all layers (0 without linear layers)."""
-        return sum(a.nbytes // a.shape[0] for c in self.runner.kv_caches if isinstance(c, LinearState)
-                   for a in (c.conv_q, c.conv_k, c.conv_v, c.recurrent))
-
     # -- ahead of time (`runner.precompile`) -----------------------------------------------------
     def gather_buckets(self, max_tokens: int) -> list[int]:
         """The block-count buckets a gather of a sequence of up to `max_tokens` tokens can take."""
@@ -136,10 +130,10 @@ class KVMover:
         return updates, states, np.zeros(lay.dcp, np.int32), blocks, np.int32(0)
 
     # -- out -------------------------------------------------------------------------------------
-    def gather(self, blocks: Sequence[int], slot: int) -> tuple[dict[str, jax.Array], int]:
-        """The sequence's KV and state on the devices, as it travels (module docstring), and the tokens
-        per rank each array holds (the padded bucket: `blocks` x block_size). Enqueued: the arrays are
-        ready once the device has run it, whatever writes the blocks afterwards."""
+    def gather(self, blocks: Sequence[int], slot: int) -> dict[str, jax.Array]:
+        """The sequence's KV and state on the devices, as it travels (module docstring), each rank's
+        tokens padded to the bucket of `blocks` x block_size. Enqueued: the arrays are ready once the
+        device has run it, whatever writes the blocks afterwards."""
         ids = np.full(bucket(len(blocks), 1), blocks[0] if blocks else 0, np.int32)
         ids[: len(blocks)] = blocks
         pools, states = self._gather(self.runner.kv_caches, ids, np.int32(slot))
@@ -152,7 +146,7 @@ class KVMover:
         for i, state in states.items():
             for f in STATE_FIELDS:
                 out[state_name(i, f)] = getattr(state, f).addressable_shards[0].data
-        return out, len(ids) * self.layout.block_size
+        return out
 
     # -- in --------------------------------------------------------------------------------------
     def place(self, updates: dict[str, np.ndarray], states: dict[int, dict[str, np.ndarray]]) -> tuple:

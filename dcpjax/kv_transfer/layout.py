@@ -14,8 +14,6 @@ stored `head_repeats` times when the TP // DCP head groups outnumber the KV head
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 
 import ml_dtypes
 import numpy as np
@@ -190,9 +188,3 @@ class KVLayout:
         if set(self.layers) - {"kv", "linear"}:
             raise ValueError(f"kv_layout.layers holds 'kv' or 'linear', got {sorted(set(self.layers))}")
         kv_dtype(self.kv_dtype)  # a TypeError for a dtype numpy does not know
-
-    @property
-    def fingerprint(self) -> str:
-        """A short hash of the model-identity fields (what a log line or a cache key names)."""
-        identity = {key: getattr(self, key) for key in MODEL_FIELDS}
-        return hashlib.sha256(json.dumps(identity, sort_keys=True, default=list).encode()).hexdigest()[:16]

@@ -64,10 +64,6 @@ class KVTransferParams(BaseModel):
                 raise ValueError(f"kv_transfer_params lacks {missing}: {FIX}")
         return self
 
-    @property
-    def is_handle(self) -> bool:
-        return self.do_remote_prefill
-
     @classmethod
     def parse(cls, value) -> KVTransferParams:
         """A dict (offline, or a proxy's JSON) or an instance; ValueError naming the first problem."""
@@ -83,13 +79,14 @@ class KVTransferParams(BaseModel):
                 first = errors[0]
                 where = ".".join(str(x) for x in first["loc"])
                 message = first["msg"].removeprefix("Value error, ")
-                raise ValueError(f"kv_transfer_params{'.' + where if where else ''}: {message}"
-                                 + ("" if "kv_transfer_params" in message else f" ({FIX})")) from None
+                if message.startswith("kv_transfer_params"):  # the model's own check: whole already
+                    raise ValueError(message) from None
+                raise ValueError(f"kv_transfer_params{'.' + where if where else ''}: {message} ({FIX})") from None
             raise
 
 
-HANDLE_FIELDS = ("kv_connector", "remote_host", "remote_port", "remote_request_id", "num_tokens", "kv_layout",
-                 "prompt_sha256", "first_token")
+HANDLE_FIELDS = ("kv_connector", "remote_host", "remote_port", "remote_address", "remote_request_id", "num_tokens",
+                 "kv_layout", "prompt_sha256", "first_token")
 
 
 def prompt_digest(ids) -> str:

@@ -42,16 +42,18 @@ class KVConnectorScheduler:
     transport, which cannot trim without a compile per length), else trimmed to each rank's tokens."""
 
     def __init__(self, config: KVTransferConfig, layout: KVLayout, vocab_size: int, *, address: dict | None = None,
-                 pads_wire: bool = False):
+                 pads_wire: bool = False, release=None):
         self.config, self.layout, self.address, self.pads_wire = config, layout, address or {}, pads_wire
         self.vocab_size = vocab_size
+        self.release = release or (lambda params: None)  # frees a handle's KV on its producer (the worker's)
         self.max_bytes = int(config.kv_buffer_size)
-        self._lock = threading.Lock()  # `reserved_bytes` is read by the server's request checks
+        self._lock = threading.Lock()  # the reservations: `reserved_bytes` may be read from any thread
         self._reserved: dict[str, int] = {}  # request id (admitted) or key (saved) -> bytes, until the transfer ends
         self._saves: list[SaveSpec] = []
         self._loads: list[LoadSpec] = []
-        self._loading: set[str] = set()  # request ids whose load is under way
-        self._local: set[str] = set()  # decode requests whose load failed: they compute their prompt
+        self._local: set[str] = set()  # decode requests whose KV is here (loaded) or computed here (failed)
+        self._loading: set[str] = set()  # decode requests whose load is under way (its pull frees the KV)
+        self._ended_while_loading: set[str] = set()
         self._offered: set[str] = set()  # keys of saves sent to the runner, until the sender lets them go
 
     # -- what a request needs --------------------------------------------------------------------
@@ -118,9 +120,15 @@ class KVConnectorScheduler:
     def request_finished(self, seq: Sequence) -> bool:
         """A sequence leaves the engine (finished, aborted or failed). A finished do_remote_decode
         prompt gets its handle and a save: True when the scheduler must keep its blocks until the
-        runner reports them read (`KVConnectorOutput.saved`)."""
-        self._local.discard(seq.request_id)
+        runner reports them read (`KVConnectorOutput.saved`). A decode request that ends before its KV
+        was loaded or while it waited for it (aborted while queued) frees that KV on its producer now;
+        one whose load is under way leaves it to the load (acknowledged, or released if it fails)."""
         params = transfer_params(seq)
+        if params is not None and params.do_remote_prefill and seq.request_id not in self._local | self._loading:
+            self.release(params)
+        if seq.request_id in self._loading:
+            self._ended_while_loading.add(seq.request_id)  # forgotten once its load reports
+        self._local.discard(seq.request_id)
         if params is None or not params.do_remote_decode:
             return False
         with self._lock:
@@ -177,9 +185,13 @@ class KVConnectorScheduler:
             for key in output.finished_sending:
                 self._reserved.pop(key, None)
                 self._offered.discard(key)
-        for request_id in (*output.finished_recving, *output.failed_recving):
-            self._loading.discard(request_id)
+        # loaded, or given up: a preempted sequence then computes its prompt here, never pulls again
+        self._local.update(output.finished_recving)
         self._local.update(output.failed_recving)
+        reported = {*output.finished_recving, *output.failed_recving}
+        self._loading -= reported
+        self._local -= self._ended_while_loading & reported
+        self._ended_while_loading -= reported
 
     def reset(self) -> None:
         """After a failed step (the engine frees every block): saves and loads not yet sent are dropped,
@@ -187,10 +199,6 @@ class KVConnectorScheduler:
         with self._lock:
             self._reserved = {key: n for key, n in self._reserved.items() if key in self._offered}
         self._saves, self._loads = [], []
-        self._loading.clear()
         self._local.clear()
-
-    @property
-    def busy(self) -> bool:
-        """Work for the runner: saves or loads to send, or loads under way."""
-        return bool(self._saves or self._loads or self._loading)
+        self._loading.clear()
+        self._ended_while_loading.clear()

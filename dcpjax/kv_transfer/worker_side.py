@@ -1,12 +1,14 @@
 """The connector's worker-side half (vLLM v1's `KVConnectorBase_V1` worker role), owned by the model
 runner: it saves finished prompts' KV for a decode server, loads a handle's KV into blocks the
-scheduler allocated, and reports what finished (`step`, once per engine step, on the engine thread).
+scheduler allocated, and reports what finished (`step`, on the engine thread, at the start of each
+engine step and after one that finished sequences).
 
 Saves: the blocks are gathered on the devices (`KVMover.gather`, enqueued before anything can write
 them again) and offered to the transport under the save's key; the scheduler may free the blocks at
-once. Loads: the pull runs on a worker thread (network I/O never blocks a step); once it has arrived,
-the next `step` re-shards it on the host into this cache's local orders (`resharding.for_receiver`)
-and scatters it, each device receiving only its part (`KVMover.scatter`).
+once. Loads: the pull runs on a worker thread (network I/O never blocks a step), which also re-shards
+it on the host into this cache's local orders (`resharding.for_receiver`) and places it on the
+devices, each receiving only its part (`KVMover.place`); the next `step` scatters it into the blocks
+(`KVMover.scatter`, in order with the model's calls).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ logger = logging.getLogger(__name__)
 class KVConnectorWorker:
     """See the module docstring. sender / receiver: the transport's halves (None where the role has none)."""
 
-    def __init__(self, mover: KVMover, stats: TransferStats, *, sender=None, receiver=None):
+    def __init__(self, mover: KVMover, stats: TransferStats):
         self.mover, self.layout, self.stats = mover, mover.layout, stats
-        self.sender, self.receiver = sender, receiver
+        self.sender = self.receiver = None  # the transport's halves, by role (`KVConnector` sets them)
         self._lock = threading.Lock()
         self._ended_keys: list[str] = []  # keys the sender stopped holding since the last step
         self.changed = threading.Event()  # set when a pull or a held transfer ends (the engine may be idle)
@@ -81,6 +83,7 @@ class KVConnectorWorker:
             except Exception as err:  # noqa: BLE001 (the transfer failed (after its retries), or its data was not usable
                 self.stats.count("failed")
                 logger.warning("KV transfer for %s failed (%s): its prompt is computed here instead", request_id, err)
+                self._release_quietly(load.params)  # a pull cut twice leaves the key held on the producer
                 failed.append(request_id)
         with self._lock:
             ended, self._ended_keys = tuple(self._ended_keys), []
@@ -103,18 +106,18 @@ class KVConnectorWorker:
         them under its key. The scheduler kept the buffer's bound, so the sender's own check agrees; if it
         does not, the key is reported ended (its handle's pull will be refused: the decode server then
         computes the prompt itself), and the engine goes on."""
-        arrays, tokens = self.mover.gather(save.block_ids, save.slot)
         try:
+            arrays = self.mover.gather(save.block_ids, save.slot)
             if not self.sender.reserve(save.key, save.nbytes):
                 raise RuntimeError(f"the sender holds {self.sender.held_bytes:,} bytes, no room for {save.nbytes:,}")
-            self.sender.offer(save.key, self._wire_arrays(arrays, tokens, save.num_tokens))
+            self.sender.offer(save.key, self._wire_arrays(arrays, save.num_tokens))
         except Exception as err:  # noqa: BLE001 (a transport's error must not fail the engine's step)
             logger.error("KV transfer %s not offered: %s", save.key, err)
             self.sender.withdraw(save.key)
             self.stats.count("failed")
             self._ended(save.key)
 
-    def _wire_arrays(self, arrays: dict, tokens: int, num_tokens: int):
+    def _wire_arrays(self, arrays: dict, num_tokens: int):
         """What the sender holds: the device arrays as gathered (a device transport, padded), or a
         Future of host copies trimmed to each rank's tokens (a host transport)."""
         if self.sender.device_arrays:
@@ -163,14 +166,17 @@ class KVConnectorWorker:
         self.mover.scatter(placed, lengths, load.block_ids, load.slot)
         self.stats.count("received", nbytes, time.perf_counter() - started)
 
+    def _release_quietly(self, params: KVTransferParams) -> None:
+        threading.Thread(target=self.receiver.release, args=(params.remote_address, params.remote_request_id),
+                         name="dcpjax-kv-release", daemon=True).start()
+
     def release(self, params: KVTransferParams) -> None:
         """Tell the producer to free a handle's KV now (a request it ended, or this server refused):
         best effort, in the background (the producer's timeout frees it otherwise)."""
         if self.receiver is None:
             return
         self.stats.count("released")
-        threading.Thread(target=self.receiver.release, args=(params.remote_address, params.remote_request_id),
-                         name="dcpjax-kv-release", daemon=True).start()
+        self._release_quietly(params)
 
     def close(self) -> None:
         for pool in (self._pool, self._copies):

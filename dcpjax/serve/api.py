@@ -48,7 +48,7 @@ def build_app(llm, async_engine, metrics, *, served_model_name: str, api_key: st
                   redoc_url=None)
     server = ServerContext(llm, async_engine, metrics, served_model_name, ChatTemplate(llm.tokenizer, chat_template),
                            int(time.time()), tools or ToolConfig())
-    add_error_handling(app, api_key, max_body_bytes)
+    add_error_handling(app, api_key, max_body_bytes, on_invalid_body=server.release_invalid_handle)
     if log_requests:  # added after the request guard, so outside it: its 401s and 413s are logged too
         app.add_middleware(RequestLog)
     responses = functools.partial(route_responses, api_key=api_key is not None)

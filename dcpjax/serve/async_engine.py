@@ -83,11 +83,6 @@ class AsyncEngine:
         """Yield Updates for `seq` until it finishes; aborts it if the consumer goes away."""
         if self.failure is not None:
             raise EngineDeadError(self.failure)
-        if seq.finished:  # its first token, from a prefill server, ended it: nothing to run
-            self.metrics.generation_tokens.inc(seq.num_output_tokens)
-            yield Update(seq.text or "", seq.output_ids, seq.logprobs if seq.params.logprobs is not None else [],
-                         seq.finish_reason, seq)
-            return
         stream = _Stream(seq, asyncio.get_running_loop())
         self.commands.put(("add", stream))
         self.wake.set()
@@ -165,6 +160,8 @@ class AsyncEngine:
             if kind == "add":
                 self.engine.add(arg.seq)
                 self.metrics.prompt_tokens.inc(len(arg.seq.prompt_ids))
+                if arg.seq.finished:  # a decode server's first token (from the prefill server) ended it
+                    self._publish(self.streams.pop(arg.seq.request_id))
             elif kind == "abort":
                 self.engine.abort(arg)
                 stream = self.streams.pop(arg, None)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from fastapi.responses import StreamingResponse
 
 from dcpjax.engine.requests import RequestError
+from dcpjax.kv_transfer.params import KVTransferParams
 from dcpjax.sampling import SamplingParams
 from dcpjax.serve.errors import APIError
 from dcpjax.serve.protocol import ACCEPTED_EXTRA_FIELDS, ChatRequest, CompletionRequest
@@ -105,6 +106,17 @@ class ServerContext:
             raise APIError(400, "prompt logprobs (prompt_logprobs, echo) need the prompt computed here: not with a "
                                 "transfer", param="kv_transfer_params")
         return {"kv_transfer_params": params}
+
+    def release_invalid_handle(self, body) -> None:
+        """A body its model refused (a 400 before any route): if it carries a handle that parses, the
+        prefill server frees that KV now (best effort: the rest of the body may be what was wrong)."""
+        params = body.get("kv_transfer_params") if isinstance(body, dict) else None
+        if params is None or self.llm.kv_connector is None:
+            return
+        try:
+            self.llm.kv_connector.release(KVTransferParams.parse(params))
+        except ValueError:
+            pass  # the handle itself is malformed: its producer frees it at its timeout
 
     @contextlib.contextmanager
     def releasing_refused_handle(self, body: CompletionRequest | ChatRequest):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, HTTPException
 from fastapi.exceptions import RequestValidationError
@@ -84,8 +85,10 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     return f"invalid request: {'; '.join(problems)}", params[0] if params else None
 
 
-def add_error_handling(app: FastAPI, api_key: str | None, max_body_bytes: int) -> None:
-    """The request guard, and an OpenAI-style body for every error the app can raise."""
+def add_error_handling(app: FastAPI, api_key: str | None, max_body_bytes: int,
+                       on_invalid_body: Callable[[object], None] | None = None) -> None:
+    """The request guard, and an OpenAI-style body for every error the app can raise.
+    on_invalid_body(body): told of each body its model refused (the JSON as read), before the 400."""
     app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes)
 
     @app.exception_handler(APIError)
@@ -95,6 +98,8 @@ def add_error_handling(app: FastAPI, api_key: str | None, max_body_bytes: int) -
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, err: RequestValidationError):
         message, param = _validation_message(err)
+        if on_invalid_body is not None:
+            on_invalid_body(err.body)
         return error_response(400, message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

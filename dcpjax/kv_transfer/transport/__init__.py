@@ -60,13 +60,4 @@ class _Registry(Mapping):
 TRANSPORTS: Mapping[str, tuple[type[KVSender], type[KVReceiver]]] = _Registry()
 
 
-def sender_class(name: str) -> type[KVSender]:
-    return TRANSPORTS[name][0]
-
-
-def receiver_class(name: str) -> type[KVReceiver]:
-    return TRANSPORTS[name][1]
-
-
-__all__ = ["NAMES", "TRANSPORTS", "KVReceiver", "KVSender", "PullResult", "UnknownConnector", "describe",
-           "receiver_class", "sender_class"]
+__all__ = ["NAMES", "TRANSPORTS", "KVReceiver", "KVSender", "PullResult", "UnknownConnector", "describe"]
