@@ -168,6 +168,11 @@ def quantize_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (x.astype(jnp.float32) / scale[..., None]).astype(FP8), scale
 
 
+def dequantize_fp8(values: jax.Array, scale: jax.Array) -> jax.Array:
+    """`quantize_fp8`'s inverse: e4m3 values [..., d] times their float32 scales [...] -> float32."""
+    return values.astype(jnp.float32) * scale[..., None]
+
+
 def _scatter(pool: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
     """pool [H, num_blocks, bs, ...] with new [N, H, ...] stored at flat slots [N]; slots < 0 dropped.
 

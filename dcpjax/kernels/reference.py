@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from dcpjax.kernels.common import AttentionShapes, finish_softmax, from_rows, row_bounds, to_rows
-from dcpjax.kernels.kv_cache import KVCache, gather_pages
+from dcpjax.kernels.kv_cache import KVCache, dequantize_fp8, gather_pages
 
 
 def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes,
@@ -22,9 +22,9 @@ def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: At
     gather = lambda x: gather_pages(x, kv.block_tables)  # [Hkv, B, S, ...]: heads lead, no transpose
     k, v = gather(kv.k), None if kv.v is None else gather(kv.v)
     if kv.quantized:  # fp8: dequantise (MLA's V is K's latent, already scaled)
-        k = k.astype(jnp.float32) * gather(kv.k_scale)[..., None]
+        k = dequantize_fp8(k, gather(kv.k_scale))
         if v is not None:
-            v = v.astype(jnp.float32) * gather(kv.v_scale)[..., None]
+            v = dequantize_fp8(v, gather(kv.v_scale))
     values = k[..., : shapes.dv] if v is None else v  # [Hkv, B, S, dv]
     seq = k.shape[2]
     # heads lead, like the gathered pages: the small q and outputs move, never the KV

@@ -29,7 +29,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dcpjax.kernels import KVPools, LinearState
-from dcpjax.kernels.kv_cache import quantize_fp8
+from dcpjax.kernels.kv_cache import dequantize_fp8, quantize_fp8
 from dcpjax.kv_transfer.layout import STATE_FIELDS, VALUE_FIELDS, KVLayout, bucket, pool_name, state_name
 from dcpjax.sharding.mesh import DCP_AXIS, RULES, TP_AXIS
 
@@ -205,8 +205,8 @@ class KVMover:
 
 def _converted(fields: dict, cache: KVPools) -> dict:
     """One layer's arriving {k, v[, k_scale, v_scale]} [slots, tokens, ...] in the pools' dtype: an fp8
-    cache quantizes float KV as a new token is stored (`quantize_fp8`); a float cache takes fp8 KV
-    times its scales."""
+    cache quantizes float KV as a new token is stored (`quantize_fp8`); a float cache dequantizes fp8
+    KV as the kernels read it (`dequantize_fp8`)."""
     values = [f for f in VALUE_FIELDS if f in fields]
     sent_fp8 = "k_scale" in fields
     if cache.k_scale is not None and sent_fp8:
@@ -217,7 +217,6 @@ def _converted(fields: dict, cache: KVPools) -> dict:
             out[f], out[f"{f}_scale"] = quantize_fp8(fields[f])
         return out
     if sent_fp8:
-        return {f: (fields[f].astype(jnp.float32) * fields[f"{f}_scale"][..., None]).astype(cache.k.dtype)
-                for f in values}
+        return {f: dequantize_fp8(fields[f], fields[f"{f}_scale"]).astype(cache.k.dtype) for f in values}
     return {f: fields[f].astype(cache.k.dtype) for f in values}
 

@@ -42,7 +42,9 @@ def for_receiver(arrays: dict[str, np.ndarray], sender: KVLayout, receiver: KVLa
         parts = [np.asarray(arrays[pool_name(field, r)]) for r in range(sender.dcp)]
         if tokens_per_rank is not None:
             parts = [part[:, :, :n] for part, n in zip(parts, sent)]
-        whole = np.concatenate(parts, axis=2)[:, slots]  # [kv_layers, kv_slots, num_tokens, ...]
-        updates[field] = np.moveaxis(np.take(whole, index, axis=2), 2, 0)  # [DCP, layers, slots, tokens, ...]
+        whole = np.concatenate(parts, axis=2)  # [kv_layers, kv_heads, num_tokens, ...]: each head once
+        # each rank's positions first (one copy), then the stored head slots (a head repeated last)
+        taken = np.take(whole, index, axis=2)[:, slots]  # [layers, slots, DCP, tokens, ...]
+        updates[field] = np.moveaxis(taken, 2, 0)  # [DCP, layers, slots, tokens, ...]
     states = {i: {f: np.asarray(arrays[state_name(i, f)]) for f in STATE_FIELDS} for i in sender.linear_layers}
     return updates, states, lengths

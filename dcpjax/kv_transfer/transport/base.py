@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import logging
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -18,6 +19,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..wire import TransferError, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 # name -> jax.ShapeDtypeStruct (or anything with .shape and .dtype), or a (shape, dtype) pair
 ExpectedArrays = Mapping[str, Any]
@@ -169,9 +172,19 @@ class KVReceiver(abc.ABC):
         key, a mismatch) is final. Raises TransferError (with .attempts); never waits past timeout_s
         without progress (a producer that dies mid-pull fails it)."""
 
-    @abc.abstractmethod
+    release_timeout_s: float = 5.0
+
     def release(self, address: Mapping, key: str) -> bool:
-        """Best effort: ask the producer to free key unpulled; whether it did."""
+        """Best effort: ask the producer to free key unpulled; whether it did. Both transports take the
+        request on the producer's TCP server (`kv_port`), the one that serves their pulls' control."""
+        from .. import client  # here: the TCP client itself checks pulls with this module's `expected_problem`
+
+        try:
+            check_connector(address, self.name)
+        except TransferError as err:
+            logger.info("KV transfer %s: not released: %s", key, err)
+            return False
+        return client.release(address["host"], int(address["port"]), key, timeout_s=self.release_timeout_s)
 
     def close(self) -> None:
         """Free what the receiver holds between pulls (nothing, unless a transport says otherwise)."""

@@ -304,14 +304,6 @@ class JaxTransferReceiver(KVReceiver):
         except Exception as err:  # jax's runtime error: a transfer failed
             raise TransferError(f"{where}: {err}") from err
 
-    def release(self, address: Mapping, key: str) -> bool:
-        try:
-            check_connector(address, self.name)
-        except TransferError as err:
-            logger.info("KV transfer %s: not released: %s", key, err)
-            return False
-        return client.release(address["host"], int(address["port"]), key, timeout_s=self.release_timeout_s)
-
     def close(self) -> None:
         with self._lock:
             self._server = None

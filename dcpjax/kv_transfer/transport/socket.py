@@ -167,10 +167,3 @@ class SocketReceiver(KVReceiver):
         return client.pull(address["host"], int(address["port"]), key, timeout_s=self.timeout_s,
                            retries=self.retries, expected=expected)
 
-    def release(self, address: Mapping, key: str) -> bool:
-        try:
-            check_connector(address, self.name)
-        except TransferError as err:
-            logger.info("KV transfer %s: not released: %s", key, err)
-            return False
-        return client.release(address["host"], int(address["port"]), key, timeout_s=self.release_timeout_s)
