@@ -23,12 +23,13 @@ $(TEST): $(BASE)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
 	touch $@
 
-.PHONY: demo attention-demo test bench
+.PHONY: demo attention-demo test bench notebook
 # SmolLM2 at TP 9 / DCP 3 (the one DCP layout its 9 query / 3 KV heads allow) against DCP 1, with
-# 512 MiB of KV per device (fixed, so the capacities it prints are the README's on every host)
+# 128 MiB of KV per device (fixed, so the capacities it prints are the README's on every host; one
+# 8,192-token sequence fits at DCP 1; peak about 3.5 GB of host memory)
 demo: $(BASE)
 	$(VENV)/bin/python -m dcpjax.generate --model smollm2-135m-instruct --num-cpu-devices 9 \
-		--tensor-parallel-size 9 --decode-context-parallel-size 3 --kv-cache-memory-bytes 512M \
+		--tensor-parallel-size 9 --decode-context-parallel-size 3 --kv-cache-memory-bytes 128M \
 		--chat --compare-dcp-1 --max-tokens 48
 
 attention-demo: $(BASE)
@@ -37,6 +38,12 @@ attention-demo: $(BASE)
 # PYTEST_ARGS: more pytest arguments (.ci/run leaves out the e2e cases on its older Python)
 test: $(TEST)
 	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=40 $(PYTEST_ARGS)
+
+# the quickstart notebook in JupyterLab, in the demo's environment (JupyterLab is installed here, not by
+# the notebook extra: Colab has its own Jupyter)
+notebook: $(BASE)
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[notebook]" "jupyterlab>=4"
+	$(VENV)/bin/jupyter lab colab/quickstart.ipynb
 
 bench: $(BASE)
 	$(VENV)/bin/python benchmarks/attention.py

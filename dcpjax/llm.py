@@ -7,13 +7,13 @@ import logging
 from collections.abc import Sequence as Seq
 
 import jax
-from tqdm.auto import tqdm
 
 from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.config import EngineConfig
 from dcpjax.engine.core import Engine, Sequence
 from dcpjax.engine.preflight import check_configuration
-from dcpjax.engine.requests import RequestBuilder, request_output
+from dcpjax.engine.progress import GenerationProgress
+from dcpjax.engine.requests import RequestBuilder, request_output, warn_past_context
 from dcpjax.engine.scheduler import PROMPT_LOGPROBS_TOKENS
 from dcpjax.kernels import AttentionOptions, reads_only_visible_pages
 from dcpjax.kv_transfer.config import KVTransferConfig
@@ -27,6 +27,7 @@ from dcpjax.outputs import RequestOutput
 from dcpjax.runner import precompile
 from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
 from dcpjax.runner.kv_budget import size_kv_cache
+from dcpjax.runner.memory import log_expected_peak
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.shape_grid import ShapeGrid
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
@@ -218,6 +219,7 @@ class LLM:
         logger.info("model call shapes: %s", self.shape_grid.describe())
         self.runner = ModelRunner(self.model_config, config.parallel, self.mesh, graphdef, state, kv, self.shape_grid,
                                   config.attention_backend, config.max_num_seqs, max_logprobs=config.max_logprobs)
+        log_expected_peak(self.runner.weight_bytes_by_device(), self.kv_cache_memory_bytes)
         proposer = self._proposer(spec, draft, kv) if spec is not None else None
         self._start_engine(kv, proposer)
         self._chat_templates: dict[str | None, ChatTemplate] = {}
@@ -330,10 +332,12 @@ class LLM:
         self,
         prompts: str | dict | Seq[str | dict],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for each prompt (strings, or {"prompt_token_ids": [...]}); outputs in prompt order,
-        each with `sampling_params.n` completions."""
+        each with `sampling_params.n` completions. `use_tqdm`: a progress bar on stderr (prompts done,
+        output tokens and their rate), shown only on a terminal. A prompt whose prompt + max_tokens
+        passes max_model_len is generated up to max_model_len (finish 'length'), with a warning."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -344,24 +348,17 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
         requests = [self.make_sequences(p, sp, i) for i, (p, sp) in enumerate(zip(prompts, params))]
-        with tqdm(total=len(requests), desc="Generating", disable=not use_tqdm) as bar:
-            # the bar counts prompts whose every completion is done
-            first = {id(seq): id(seqs[0]) for seqs in requests for seq in seqs}
-            remaining = {id(seqs[0]): len(seqs) for seqs in requests}
-
-            def finished(seq):
-                remaining[first[id(seq)]] -= 1
-                if not remaining[first[id(seq)]]:
-                    bar.update()
-
-            self.engine.run([seq for seqs in requests for seq in seqs], on_finish=finished)
+        warn_past_context(requests, self.max_model_len)
+        with GenerationProgress(requests, enabled=use_tqdm) as progress:
+            self.engine.run([seq for seqs in requests for seq in seqs], on_finish=progress.finished,
+                            on_step=progress.stepped)
         return [request_output(seqs, self.engine.output) for seqs in requests]
 
     def chat(
         self,
         messages: Seq[dict] | Seq[Seq[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,

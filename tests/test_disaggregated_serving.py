@@ -159,14 +159,37 @@ def test_a_body_the_decode_server_cannot_parse_still_frees_the_kv(servers):
 
 
 def test_a_request_the_decode_server_refuses_frees_the_producers_kv_at_once(servers):
-    """The prefill saw max_tokens 1; the decode server refuses 1000 (past max_model_len) and tells the
+    """The prefill ran; the decode server refuses max_tokens 1000 (past max_model_len) and tells the
     producer to free the KV now, not after abort_request_timeout (the router speaks no KV wire)."""
-    p, _, r = servers
+    p, d, _ = servers
+    handle = httpx.post(f"{p}/v1/completions", json=_body(max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                        timeout=60).json()["kv_transfer_params"]
     before = metric(p, "kv_transfers", "released")
-    answer = httpx.post(f"{r}/v1/completions", json=_body(max_tokens=1000), timeout=60)
+    answer = httpx.post(f"{d}/v1/completions", json=_body(max_tokens=1000, kv_transfer_params=handle), timeout=60)
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "max_tokens"
     assert eventually(lambda: metric(p, "kv_transfers", "released") == before + 1, 2.5)  # < the 3 s timeout
     assert metric(p, "kv_transfer_held_requests") == 0
+
+
+@pytest.mark.parametrize("path, field", [("/v1/completions", "max_tokens"),
+                                         ("/v1/chat/completions", "max_completion_tokens")])
+def test_the_router_refuses_prompt_and_output_past_the_context_before_the_prefill(servers, path, field):
+    """vLLM's 400 for prompt + max_tokens > max_model_len (160 here), through the router: the prefill
+    server refuses it (the router sends the client's max_tokens along), so no prompt runs and no KV is
+    held; max_model_len minus the prompt is accepted."""
+    p, _, r = servers
+    body = _body() if path == "/v1/completions" else {
+        "model": "tiny-llama", "messages": [{"role": "user", "content": PROMPT}], "temperature": 0}
+    body.pop("max_tokens", None)
+    prompt_tokens = httpx.post(f"{r}{path}", json={**body, field: 1}, timeout=60).json()["usage"]["prompt_tokens"]
+    prefilled = metric(p, "prompt_tokens")
+    answer = httpx.post(f"{r}{path}", json={**body, field: 160 - prompt_tokens + 1}, timeout=60)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "context_length_exceeded", answer.text
+    assert f"({160 - prompt_tokens})" in error["message"] and "max_model_len=160" in error["message"]
+    assert metric(p, "prompt_tokens") == prefilled  # the probe's KV is released once the decode server pulled it
+    assert eventually(lambda: metric(p, "kv_transfer_held_requests") == 0)
+    assert httpx.post(f"{r}{path}", json={**body, field: 160 - prompt_tokens}, timeout=60).status_code == 200
 
 
 def test_a_gone_decode_server_is_a_503_and_the_producer_frees_the_kv():
@@ -260,7 +283,7 @@ def moved_tokens(n: int, prefill: list[str], connector: str) -> int:
     ("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "JaxTransferConnector")])
 def test_each_model_family_through_the_router(case, connector):
     """Greedy tokens through the router equal the decode server alone (a single engine at the consumer's
-    layout), their logprobs within 1e-5, for prompts around a block (16), an interleave run (16 or 4)
+    layout), their logprobs within 1e-4, for prompts around a block (16), an interleave run (16 or 4)
     and DCP 3's 48-token cycle; the producer sent, per request, the prompt's analytic KV bytes (plus the
     hybrid's state; on the device transport, each rank's tokens padded to its gather's bucket)."""
     model, prefill, decode, bytes_per_token, state_bytes = LAYOUTS[case]
@@ -278,8 +301,9 @@ def test_each_model_family_through_the_router(case, connector):
             via = httpx.post(f"{r}/v1/completions", json=body, timeout=300).json()
             assert via["choices"][0]["text"] == alone["choices"][0]["text"], (n, via, alone)
             got, want = (np.array(x["choices"][0]["logprobs"]["token_logprobs"]) for x in (via, alone))
-            # the first token is the producer's, computed at its own TP (float32 rounding of another split)
-            assert abs(got[0] - want[0]) <= 5e-5 and np.allclose(got[1:], want[1:], atol=1e-5, rtol=0), (n, got, want)
+            # the prompt's KV and first token are the producer's, computed at its own layout: every logprob
+            # inherits the float32 rounding of another split (up to 3.4e-5 measured on jax 0.12.1)
+            assert np.abs(got - want).max() <= 1e-4, (n, np.abs(got - want).max(), got, want)
             assert via["usage"] == alone["usage"]
             expected_bytes += moved_tokens(n, prefill, connector) * bytes_per_token + state_bytes
         assert eventually(lambda: metric(p.base_url, "kv_transfer_bytes") == expected_bytes

@@ -1,5 +1,7 @@
 """The offline API on the built-in tiny models: DCP invariance, sampling, stops, errors."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -134,6 +136,55 @@ def test_max_model_len_caps_generation():
     assert len(out.token_ids) == 32 - 26 and out.finish_reason == "length"  # BOS + 25 bytes
 
 
+def test_max_tokens_past_the_context_warns_and_stops_at_it(caplog):
+    """Offline generation keeps vLLM's cap (finish 'length' at max_model_len) and says so up front."""
+    llm = make(max_model_len=32)
+    with caplog.at_level("WARNING", logger="dcpjax.engine.requests"):
+        out = llm.generate(["y" * 25, "x"], SamplingParams(temperature=0, max_tokens=9000, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [32 - 26, 32 - 2]
+    message, = (r.getMessage() for r in caplog.records if "max_model_len" in r.getMessage())
+    assert ("prompt 0: 26 tokens + max_tokens 9000 = 9026 passes max_model_len 32 (and 1 more prompt(s)): its output "
+            "stops at 6 tokens" in message and "--max-tokens" in message and "--max-model-len" in message)
+    caplog.clear()
+    llm.generate("y" * 25, SamplingParams(temperature=0, max_tokens=6))  # fits exactly: no word
+    assert not [r for r in caplog.records if "max_model_len" in r.getMessage()]
+
+
+def test_the_progress_bar_counts_prompts_and_tokens_on_a_terminal_only():
+    import io
+
+    from dcpjax.engine.progress import GenerationProgress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    llm = make()
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    requests = [llm.make_sequences(p, dataclasses.replace(params, n=n)) for p, n in (("a", 2), ("b", 1))]
+    assert GenerationProgress(requests, enabled=True).bar.disable  # pytest's stderr is no terminal
+    assert GenerationProgress(requests, enabled=False, file=Terminal()).bar.disable
+    screen = Terminal()
+    with GenerationProgress(requests, enabled=True, file=screen) as progress:
+        llm.engine.run([seq for seqs in requests for seq in seqs], on_finish=progress.finished,
+                       on_step=progress.stepped)
+        assert progress.bar.n == 2
+    assert "2/2" in screen.getvalue() and "output 12 tokens" in screen.getvalue()
+
+
+def test_the_load_log_names_the_mesh_the_kv_default_and_the_expected_peak(caplog):
+    from dcpjax.runner.memory import CPU_RUNTIME_BYTES, expected_peak_bytes
+
+    with caplog.at_level("INFO"):
+        llm = make(dcp=2, kv_cache_memory_bytes=None, max_num_seqs=2, max_model_len=128)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "TP 8, DCP 2 over 8 cpu device(s): mesh {'tp': 4, 'dcp': 2}, its axes (TP // DCP, DCP)" in text
+    assert "KV cache on CPU by default:" in text and "--kv-cache-memory-bytes sets it" in text
+    peak = expected_peak_bytes(llm.weight_bytes_by_device(), llm.kv_cache_memory_bytes)
+    assert peak == sum(llm.weight_bytes_by_device().values()) + 8 * llm.kv_cache_memory_bytes + CPU_RUNTIME_BYTES
+    assert f"expected peak memory: about {peak / 2**30:.1f} GiB of host memory" in text
+
+
 def test_kv_cache_capacity_grows_with_dcp():
     sizes = {dcp: make("tiny-qwen3", dcp=dcp).kv_cache_size_tokens for dcp in (1, 2, 8)}
     assert sizes[2] == 2 * sizes[1] and sizes[8] == 8 * sizes[1]
@@ -173,7 +224,7 @@ def test_bad_requests_and_configurations():
         make(dcp=2, cp_kv_cache_interleave_size=3, block_size=16)
 
 
-def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled(monkeypatch):
+def test_cpu_kv_default_is_1_gib_at_most_a_share_of_host_memory_and_no_more_than_can_be_filled(monkeypatch):
     from dcpjax.runner import kv_budget as llm_module
 
     kw = dict(tp=2, kv_cache_memory_bytes=None, max_model_len=256)
@@ -191,6 +242,12 @@ def test_cpu_kv_default_is_a_share_of_host_memory_and_no_more_than_can_be_filled
     # the host's memory cannot be read: the fixed fallback
     monkeypatch.setattr(llm_module, "host_available_bytes", lambda: None)
     assert make(**(kw | dict(max_model_len=8192))).kv_cache_memory_bytes == llm_module.CPU_DEFAULT_KV_BYTES
+    # a big host: still 1 GiB for the process's devices together (a 135M model's server is not gigabytes)
+    monkeypatch.setattr(llm_module, "host_available_bytes", lambda: 256 << 30)
+    assert make(max_num_seqs=1024, **(kw | dict(max_model_len=32768))).kv_cache_memory_bytes == (1 << 30) // 2
+    # ... unless one max_model_len sequence needs more: then that sequence fits
+    monkeypatch.setattr(llm_module, "CPU_KV_BUDGET_BYTES", 1 << 20)
+    assert make(**(kw | dict(max_model_len=4096))).kv_cache_size_tokens == 4096
 
 
 def test_checkpoint_problems_are_named():

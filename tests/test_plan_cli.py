@@ -12,7 +12,7 @@ from dcpjax.engine.preflight import max_model_len_problem
 from dcpjax.entrypoints import cli
 from dcpjax.models.config import ModelConfig
 from dcpjax.plan import command as plan
-from dcpjax.plan import planner
+from dcpjax.plan import experts, planner
 from dcpjax.plan.deployment import weight_bytes_per_device
 from dcpjax.sharding.config import ParallelConfig
 
@@ -257,11 +257,57 @@ def test_moe_plans_compare_tensor_parallel_experts_with_ep(capsys):
 def test_the_deepseek_deployment_shows_both_and_recommends(capsys):
     assert cli.run(plan.main, ["--model", "configs/deepseek-v3-tp8-dcp8.json"]) == 0
     out = capsys.readouterr().out
-    assert "| tensor-parallel |" in out and "| EP (whole experts) |" in out
+    assert "| tensor-parallel (the table's) |" in out and "| EP (whole experts) |" in out
     assert "- experts: tensor-parallel, EP's busiest device reads" in out  # 32 sequences: few experts each step
     plan_json = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--input-len", "1024")
     ep_row = plan_json["experts"]["rows"][1]  # top-8 over 8 devices: a dispatch would move 1.5x the reduction
     assert ep_row["all_to_all_bytes_per_step"] == pytest.approx(1.5 * ep_row["moe_collective_bytes_per_step"])
+
+
+def test_the_experts_rows_are_the_tables_rows(capsys):
+    """One model of a step: the experts section's row for each layout is the table's row at the
+    recommended DCP size when planned with that layout (its step, faster backend). DeepSeek-V3's
+    deployment showed 20.05 ms at DCP 4 in the table and 13.99 in the tensor-parallel row: the table
+    read every routed expert each step, the section only those the batch activates (and added the
+    MoE combine). One sequence here activates a quarter of the tiny model's experts."""
+    fixture = ("--model", "tests/fixtures/deepseek-v3", "--input-len", "128", "--output-len", "64",
+               "--concurrency", "1")
+    plans = {ep: _plan(capsys, *fixture, *(["--enable-expert-parallel"] if ep else [])) for ep in (False, True)}
+    for result in plans.values():
+        for layout, row in zip((False, True), result["experts"]["rows"], strict=True):
+            table_row = next(r for r in plans[layout]["sizes"] if r["dcp"] == result["recommended_dcp"])
+            assert row["step_seconds"] == min(table_row["step_seconds"].values())
+            assert row["expert_read_bytes_per_step"] == table_row["expert_read_bytes_per_step"]
+            assert row["moe_collective_bytes_per_step"] == table_row["moe_collective_bytes_per_step"] > 0
+    tp_row = plans[False]["sizes"][0]  # a step reads the routed experts it activates, not all it holds
+    assert tp_row["weight_read_bytes_per_step"] < tp_row["weight_bytes_per_device"]
+
+
+def test_deepseek_says_why_each_other_size_and_ep_lost(capsys):
+    """The issues' case, DeepSeek-V3's deployment with --enable-expert-parallel: the reasons are about
+    DCP 4, the pick (not "DCP 8 holds 8.0x the tokens"); DCP 1, 2 and 8 each get a line with their
+    step and by how much it is slower; and the flag's EP, which the experts section compared and
+    found slower, says so, by how much, instead of a bare "experts: tensor-parallel"."""
+    result = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--enable-expert-parallel")
+    assert result["recommended_dcp"] == 4
+    assert result["reasons"][0] == "model: MLA (one latent per token): DCP 4 holds 2,364,864 tokens, 4.0x DCP 1's"
+    sizes, others = {r["dcp"]: r for r in result["sizes"]}, {o["dcp"]: o for o in result["not_recommended"]}
+    assert sorted(others) == [1, 2, 8]
+    best_ms = min(sizes[4]["step_seconds"].values()) * 1e3
+    for dcp, other in others.items():
+        assert other["step_ms"] == min(sizes[dcp]["step_seconds"].values()) * 1e3 > best_ms
+        assert f"{other['step_ms'] - best_ms:.2f} ms (" in other["reason"]
+        assert other["reason"].endswith(f"slower than DCP 4's {best_ms:.2f}")
+    lost = result["experts"]["overruled"]
+    assert lost["expert_parallel"] is True and result["experts"]["recommended_expert_parallel"] is False
+    assert lost["step_ms"] == pytest.approx(best_ms)  # the table is planned with EP
+    assert lost["slower_ms"] == pytest.approx(lost["step_ms"] - lost["recommended_step_ms"]) and lost["slower_ms"] > 0
+    text = planner.plan_table(result, sections=experts.table_lines(result))
+    assert (f"; --enable-expert-parallel, as the table above is planned, was compared and lost: EP's step "
+            f"{lost['step_ms']:.2f} ms against tensor-parallel's {lost['recommended_step_ms']:.2f}, "
+            f"{lost['slower_ms']:.2f} ms ({lost['slower_percent']:.1f}%) slower\n") in text
+    assert "| EP (whole experts) (the table's) |" in text
+    assert "\nNot recommended:\n" + "\n".join(f"- DCP {d}: {others[d]['reason']}" for d in (1, 2, 8)) in text
 
 
 def test_ep_on_a_dense_model_is_one_line(tmp_path, capsys):

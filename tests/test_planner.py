@@ -160,9 +160,12 @@ def test_the_recommendation_is_never_a_rejected_size(tp, memory_kb, input_len, c
     assert (result["recommended_dcp"] in valid) if valid else result["recommended_dcp"] is None
     assert (result["recommended_comm_backend"] is None) == (result["recommended_dcp"] is None)
     assert not (valid and result["what_would_fit"])  # alternatives only when nothing fits
-    if len(valid) <= 1:  # the reasons name each rejected size with its own first reason
-        said = " ".join(result["reasons"])
-        assert all(r["rules_broken"][0] in said for r in result["sizes"] if not r["valid"]), said
+    # every other size has its own line: a rejected one its own first reason
+    others = {r["dcp"]: r["reason"] for r in result["not_recommended"]}
+    assert sorted(others) == [r["dcp"] for r in result["sizes"] if r["dcp"] != result["recommended_dcp"]]
+    assert all(r["rules_broken"][0] in others[r["dcp"]] for r in result["sizes"] if not r["valid"]), others
+    if not valid:  # and the reason that nothing fits names each
+        assert all(r["rules_broken"][0] in result["reasons"][0] for r in result["sizes"]), result["reasons"]
 
 
 # SmolLM2-135M's heads (9 query, 3 KV) on tiny-llama: at TP 9, DCP 9 breaks a layout rule
@@ -184,11 +187,24 @@ def test_each_rejected_size_is_named_with_its_own_reason():
     assert 0 < t1 < t3
     between = planner.Workload(t1, 16, 4)  # more than DCP 1 holds, less than DCP 3
     assert planner.recommend(SMOL, rows(between), planner.LINKS["nvlink"], between) == (3, [
-        f"model: only DCP 3 fits; DCP 1: {short(t1 + 16, t1)}; DCP 9 breaks the model's rules ({DCP9_RULE})"])
+        "model: only DCP 3 of DCP 1, 3, 9 fits"])
+    others = planner.not_recommended(rows(between), 3)  # each other size: its own first reason
+    assert [(o["dcp"], o["step_ms"], o["reason"].split("; ")[0]) for o in others] == [
+        (1, None, f"rejected: {short(t1 + 16, t1)}"), (9, None, f"rejected: {DCP9_RULE}")]
     beyond = planner.Workload(t3, 16, 4)  # more than either holds
     assert planner.recommend(SMOL, rows(beyond), planner.LINKS["nvlink"], beyond) == (None, [
         (f"nothing fits at TP 9: DCP 1: {short(t3 + 16, t1)}; DCP 3: {short(t3 + 16, t3)}; "
          f"DCP 9 breaks the model's rules ({DCP9_RULE})")])
+
+
+def test_a_size_a_rule_rejects_has_its_own_line(capsys):
+    """Qwen3-Next's deployment: DCP 8 breaks a rule; it was in the table only, now it has its line."""
+    result = _plan(capsys, "--model", "configs/qwen3-next-80b-a3b-tp8-dcp4.json")
+    assert result["recommended_dcp"] == 4
+    eight = next(o for o in result["not_recommended"] if o["dcp"] == 8)
+    assert eight == {"dcp": 8, "step_ms": None, "tokens_per_second": None, "reason": (
+        "rejected: 'decode_context_parallel_size <= tensor_parallel_size // num_kv_heads' failed: 8 > 8 // 2 = 4")}
+    assert f"\n- DCP 8: {eight['reason']}" in planner.plan_table(result)
 
 
 def _rows(tp, dcps, kind):

@@ -97,3 +97,21 @@ def test_fp8_blocks_round_trip_with_partial_edge_blocks():
     back = dequantize_blocks(values, scale, (16, 24))
     np.testing.assert_allclose(back, w, rtol=2 ** -3, atol=1e-6)  # e4m3 keeps 3 mantissa bits
     assert np.array_equal(dequantize_blocks(*quantize_blocks(back, (16, 24)), (16, 24)), back)  # a fixed point
+
+
+@pytest.mark.parametrize("quantization, is_gguf, platform, level", [
+    ("gguf", True, "cpu", "WARNING"),  # asked for: slower, said where it shows
+    ("fp8", False, "cpu", "WARNING"),
+    ("auto", True, "cpu", None),  # auto dequantizes a GGUF on CPU: nothing slower to explain
+    ("gguf", True, "gpu", None),
+])
+def test_a_slower_holding_on_cpu_says_why(quantization, is_gguf, platform, level, caplog):
+    from dcpjax.loader.quantized_source import quantized_source
+    from dcpjax.loader.weights import DictSource
+
+    with caplog.at_level("INFO", logger="dcpjax.loader.quantized_source"):
+        quantized_source(DictSource({}), quantization, is_gguf, None, None, platform)
+    said = [r for r in caplog.records if "slower than with quantization='none'" in r.getMessage()]
+    assert [r.levelname for r in said] == ([level] if level else [])
+    if level:
+        assert "--quantization none" in said[0].getMessage()

@@ -134,9 +134,10 @@ def test_completion_prefills_then_decodes_with_the_producers_handle(fakes):
     prefill, decode = fakes.calls
     assert (prefill.base, prefill.path, decode.base, decode.path) == (PREFILL, "/v1/completions", DECODE,
                                                                       "/v1/completions")
-    # the prefill's token is the client's first: min_tokens goes along, at most 1 (no EOS first)
+    # the prefill's token is the client's first: min_tokens goes along, at most 1 (no EOS first); the client's
+    # max_tokens too, for the prefill server to refuse a prompt + output past max_model_len before it runs
     assert prefill.body == {"model": "tiny", "prompt": "Hello", "max_tokens": 1, "min_tokens": 1, "temperature": 0,
-                            "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+                            "stream": False, "kv_transfer_params": {"do_remote_decode": True, "client_max_tokens": 5}}
     assert decode.body == {**request, "kv_transfer_params": HANDLE}
     for call in (prefill, decode):
         assert call.headers["authorization"] == "Bearer k" and call.headers["x-request-id"] == "r1"
@@ -151,7 +152,8 @@ def test_streamed_chat_passes_every_event_through_in_order(fakes):
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         assert b"".join(r.iter_bytes()) == b"".join(EVENTS)
     assert fakes.bodies(PREFILL) == [{"model": "tiny", "messages": request["messages"], "max_tokens": 1,
-                                      "stream": False, "kv_transfer_params": {"do_remote_decode": True}}]
+                                      "stream": False,
+                                      "kv_transfer_params": {"do_remote_decode": True, "client_max_tokens": 9}}]
     assert fakes.bodies(DECODE) == [{**request, "kv_transfer_params": HANDLE}]
 
 

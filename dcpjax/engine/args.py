@@ -125,7 +125,8 @@ def _cli_type(f: dataclasses.Field) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
         problem = None if f.metadata["choices"] else _problem(f, value)
         if problem:
-            raise argparse.ArgumentTypeError(f"{problem}, got {text}")
+            # a check that names the value already (a JSON config's field) says it once
+            raise argparse.ArgumentTypeError(problem if ", got " in problem else f"{problem}, got {text}")
         return value
 
     parse.__name__ = kind.__name__

@@ -229,8 +229,9 @@ class Engine:
         self.timings.process += time.perf_counter() - now
         return finished
 
-    def run(self, sequences: list[Sequence], on_finish=None) -> None:
-        """Add the sequences and step until the engine is idle (offline generation)."""
+    def run(self, sequences: list[Sequence], on_finish=None, on_step=None) -> None:
+        """Add the sequences and step until the engine is idle (offline generation); `on_finish(seq)`
+        for each finished sequence, `on_step()` after each step (a progress bar's)."""
         for seq in sequences:
             self.add(seq)
             if seq.finished and on_finish is not None:  # its first token, from a prefill server, ended it
@@ -240,6 +241,8 @@ class Engine:
                 for seq in self.step().finished:
                     if on_finish is not None:
                         on_finish(seq)
+                if on_step is not None:
+                    on_step()
         except BaseException:  # an error or Ctrl-C mid-step: leave a clean engine for the next call
             self.abort_all()
             raise

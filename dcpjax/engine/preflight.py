@@ -40,7 +40,9 @@ def max_model_len_problem(max_model_len: int | None, cfg: ModelConfig) -> str | 
     model, or None: within its positions, and within a sliding window dcpjax does not implement."""
     value = max_model_len or cfg.max_position_embeddings
     if not 1 < value <= cfg.max_position_embeddings:
-        return f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {value}"
+        return (f"max_model_len must be in [2, {cfg.max_position_embeddings}] for this model, got {value} — pass "
+                f"--max-model-len {cfg.max_position_embeddings} or less (max_model_len= in Python), or leave it out "
+                "for the model's own")
     try:
         cfg.check_max_model_len(value)
     except ValueError as err:
@@ -60,8 +62,8 @@ def layout_problem(pc: ParallelConfig, cfg: ModelConfig) -> str | None:
 def expert_parallel_problem(pc: ParallelConfig, cfg: ModelConfig) -> str | None:
     """Expert parallelism asked of a model without routed experts, or None."""
     if pc.enable_expert_parallel and not (cfg.num_experts and cfg.sparse_layers):
-        return (f"enable_expert_parallel needs routed experts, and {cfg.architecture} has none (a dense model): "
-                "leave --enable-expert-parallel off")
+        return (f"enable_expert_parallel needs routed experts, and {cfg.architecture} has none (a dense model) "
+                "— leave --enable-expert-parallel off")
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 from collections.abc import Iterable
 
 from dcpjax.kv_transfer.params import KVTransferParams
@@ -20,6 +21,8 @@ from dcpjax.outputs import RequestOutput
 from dcpjax.sampling import MAX_LOGPROBS, SamplingParams
 from dcpjax.sampling.logits_processors import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, logits_spec
 from dcpjax.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -45,6 +48,23 @@ def check_prompt_ids(ids: list[int], vocab_size: int, max_model_len: int, index:
         raise RequestError(f"prompt {index} is {len(ids)} tokens; max_model_len={max_model_len} (prompt + output) "
                            f"leaves no room to generate: shorten it to at most {max_model_len - 1} tokens", "prompt",
                            "context_length_exceeded")
+
+
+def warn_past_context(requests: list[list[Sequence]], max_model_len: int) -> None:
+    """Offline generation's word for prompts whose max_tokens cannot fit: they stop at max_model_len
+    (finish 'length'); the server refuses them instead (vLLM's 400). One warning for all of them."""
+    short = [(i, seqs[0]) for i, seqs in enumerate(requests)
+             if seqs[0].params.max_tokens is not None
+             and len(seqs[0].prompt_ids) + seqs[0].params.max_tokens > max_model_len]
+    if not short:
+        return
+    i, seq = short[0]
+    n = len(seq.prompt_ids)
+    more = f" (and {len(short) - 1} more prompt(s))" if len(short) > 1 else ""
+    logger.warning("prompt %d: %d tokens + max_tokens %d = %d passes max_model_len %d%s: its output stops at %d "
+                   "tokens (finish_reason 'length'); lower max_tokens (--max-tokens) or raise max_model_len "
+                   "(--max-model-len)", i, n, seq.params.max_tokens, n + seq.params.max_tokens, max_model_len, more,
+                   max_model_len - n)
 
 
 class RequestBuilder:

@@ -41,12 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(prog="python -m dcpjax.generate", description=__doc__.split("\n\n")[0])
     cli.add_model_positional(p)
     EngineArgs.add_cli_args(p)
-    p.add_argument("--prompt", action="append", help="repeat for several prompts")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--prompt", action="append", help="repeat for several prompts (default: a few built-in ones)")
+    sampling = p.add_argument_group("sampling (SamplingParams; the defaults are greedy)")
+    sampling.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most per prompt; prompt "
+                          "+ max tokens past --max-model-len stops there, with a warning (default: %(default)s)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 keeps every token "
+                          "(default: %(default)s)")
+    sampling.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 keeps every token "
+                          "(default: %(default)s)")
+    sampling.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the likeliest's "
+                          "probability (default: %(default)s)")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's "
                    "chat template (LLM.chat)")
     p.add_argument("--compare-dcp-1", action="store_true", help="also run at DCP 1 (same TP, same KV bytes per "

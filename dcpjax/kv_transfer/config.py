@@ -63,7 +63,7 @@ class KVTransferConfig:
         if self.kv_connector is not None and self.kv_connector not in CONNECTORS:
             vllm = f" ({self.kv_connector} is vLLM's)" if self.kv_connector in VLLM_CONNECTORS else ""
             raise ValueError(f"kv_transfer_config.kv_connector: dcpjax has {transport.describe()}; got "
-                             f"{self.kv_connector!r}{vllm}; leave it out for the platform's default")
+                             f"{self.kv_connector!r}{vllm} — leave it out for the platform's default")
         if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config.kv_port must be a port in [0, 65535], got {self.kv_port!r}")
         if not isinstance(self.kv_buffer_size, (int, float)) or self.kv_buffer_size <= 0:

@@ -4,7 +4,9 @@ request builder. Everything after reads typed fields.
 
 Two shapes, as vLLM's connectors use them:
 
-- a prefill request: `{"do_remote_decode": true}`;
+- a prefill request: `{"do_remote_decode": true}`, and (from the router) `client_max_tokens`, the
+  output the client asked of the pair, so the prefill server refuses prompt + output past
+  max_model_len before it runs the prompt;
 - a decode request: the handle a prefill server returned (`do_remote_prefill: true`, where and under
   which key the KV waits, the transport, the producer's `kv_layout`, the prompt's digest, the first
   token the producer sampled with its logprobs, and the seed it sampled with).
@@ -39,6 +41,8 @@ class KVTransferParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
     do_remote_decode: StrictBool = False
     do_remote_prefill: StrictBool = False
+    # a prefill request's: the client's max_tokens for the whole pair (the prefill itself asks for 1)
+    client_max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     # the handle (do_remote_prefill): where the KV waits and what it is
     kv_connector: StrictStr | None = None
     remote_host: StrictStr | None = None

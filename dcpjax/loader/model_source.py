@@ -69,12 +69,12 @@ def _unknown(model: str) -> ValueError:
     if not path.exists() and (model.startswith((".", "/", "~")) or path.suffix in (".gguf", ".json")):
         return ValueError(f"model {model!r}: no such file or folder — check the path (built-in models: "
                           f"{', '.join(BUILTIN_NAMES)})")
-    hint = ""
+    fix = "pass one of the built-in names, a folder or a .gguf path"
     if "/" in model and not pathlib.Path(model).exists() and not model.startswith((".", "/")):
-        hint = (f"; dcpjax does not download models: fetch {model!r} first (e.g. `huggingface-cli download {model} "
-                "--local-dir DIR`) and pass DIR")
+        fix = (f"dcpjax does not download models: fetch {model!r} first (e.g. `huggingface-cli download {model} "
+               "--local-dir DIR`) and pass DIR")
     return ValueError(f"model {model!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}), a Hugging Face "
-                      f"folder with config.json, nor a .gguf file{hint}")
+                      f"folder with config.json, nor a .gguf file — {fix}")
 
 
 def resolve(model: str) -> tuple[str, str]:

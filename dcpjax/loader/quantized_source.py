@@ -15,6 +15,7 @@ A GGUF file (`gguf_loader.GGUFSource`) describes its own quantized tensors.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import re
 from collections.abc import Callable
@@ -24,6 +25,8 @@ import numpy as np
 from dcpjax.loader.tensor_source import TensorSource, slice_ranges
 from dcpjax.quantization.formats import DEFAULT_FP8_BLOCK, FP8_DTYPE, BlockFormat, CheckpointQuantization, fp8_format
 from dcpjax.quantization.fp8 import quantize_blocks, scales_per_element
+
+logger = logging.getLogger(__name__)
 
 # what the published fp8 checkpoints quantize: every linear projection of attention and the MLPs
 # (q_proj, kv_a_proj_with_mqa, kv_b_proj, gate_proj, experts.N.down_proj, in_proj_qkvz, out_proj, ...);
@@ -174,6 +177,16 @@ class OnlineFp8Source(_Wrapped):
         return self.read_part(name, index, "values").astype(np.float32) * self.read_part(name, index, "scale")
 
 
+def _say_held_is_slower_on_cpu(quantization: str) -> None:
+    """A holding slower than float was chosen (asked for, or an fp8 checkpoint's own): say why, once
+    per load, where a user sees it (the time is otherwise unexplained)."""
+    log = logger.warning if quantization != "auto" else logger.info
+    log("weights held quantized on CPU (quantization=%r): XLA:CPU writes each held weight out in float before its "
+        "matmul, so decode is slower than with quantization='none' (SmolLM2's GGUF: about 6x at batch 1, 2.6x at "
+        "batch 16; docs/quantization.md); the weights take less memory. For speed: --quantization none",
+        quantization)
+
+
 def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bool,
                      checkpoint: CheckpointQuantization | None, shipped: CheckpointQuantization | None = None,
                      platform: str = "gpu") -> TensorSource:
@@ -198,6 +211,8 @@ def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bo
     if quantization == "none":
         return FloatSource(source)
     wants_fp8 = quantization == "fp8" or (quantization == "auto" and shipped is not None)
+    if platform == "cpu" and (quantization != "auto" or wants_fp8 or checkpoint is not None):
+        _say_held_is_slower_on_cpu(quantization)
     if wants_fp8 and checkpoint is None:
         return OnlineFp8Source(source, shipped.weight_block_size if shipped else DEFAULT_FP8_BLOCK)
     return source

@@ -72,15 +72,17 @@ def model_and_defaults(name: str) -> tuple[ModelConfig, dict]:
     return deployment_model(data, path), defaults
 
 
+def plan_row(cfg: ModelConfig, pc: ParallelConfig, weight_dtype: str, setup: dict) -> dict:
+    """`planner.plan_size` of one parallel configuration; `setup`: its other arguments."""
+    problems = layout_problems(cfg, pc)
+    weights = 0 if problems else weight_bytes_per_device(cfg, pc, weight_dtype)
+    return planner.plan_size(cfg, pc, weight_bytes=weights, problems=problems, weight_dtype=weight_dtype, **setup)
+
+
 def plan_rows(cfg: ModelConfig, tp: int, weight_dtype: str, setup: dict, expert_parallel: bool = False) -> list[dict]:
-    """`planner.plan_size` of every DCP size (each divisor of `tp`); `setup`: its other arguments."""
-    rows = []
-    for dcp in [d for d in range(1, tp + 1) if tp % d == 0]:
-        pc = ParallelConfig(tp, dcp, enable_expert_parallel=expert_parallel)
-        problems = layout_problems(cfg, pc)
-        weights = 0 if problems else weight_bytes_per_device(cfg, pc, weight_dtype)
-        rows.append(planner.plan_size(cfg, pc, weight_bytes=weights, problems=problems, **setup))
-    return rows
+    """`plan_row` of every DCP size (each divisor of `tp`)."""
+    return [plan_row(cfg, ParallelConfig(tp, dcp, enable_expert_parallel=expert_parallel), weight_dtype, setup)
+            for dcp in range(1, tp + 1) if tp % dcp == 0]
 
 
 def default_tp(cfg: ModelConfig) -> tuple[int, str | None]:
@@ -168,7 +170,7 @@ def plan_model(args: argparse.Namespace) -> dict:
         cfg, rows, weight_dtype=weight_dtype, workload=work,
         rows_at=lambda t, w: plan_rows(cfg, t, w, setup, ep))
     chosen = next((r for r in rows if r["dcp"] == choice), None)
-    expert_plan = plan_experts(cfg, chosen, tp, weight_dtype, setup, link) if chosen and cfg.sparse_layers else None
+    expert_plan = plan_experts(cfg, chosen, tp, weight_dtype, setup, ep) if chosen and cfg.sparse_layers else None
     pd_plan = plan_disaggregation(args, cfg, chosen, prefill_pc, weight_dtype, setup) if chosen and prefill_pc else None
     reasons = [*reasons, *(section["reason"] for section in (expert_plan, pd_plan) if section)]
     return {"model": args.model, "tp": tp, "weight_dtype": weight_dtype, "kv_cache_dtype": kv_name,
@@ -179,6 +181,7 @@ def plan_model(args: argparse.Namespace) -> dict:
             "device": dataclasses.asdict(device), "link": dataclasses.asdict(link),
             "workload": dataclasses.asdict(work), "sizes": rows, "recommended_dcp": choice,
             "recommended_comm_backend": planner.fastest_backend(chosen) if chosen else None, "reasons": reasons,
+            "not_recommended": planner.not_recommended(rows, choice),
             "what_would_fit": alternatives, "experts": expert_plan, "disaggregation": pd_plan}
 
 
@@ -187,24 +190,24 @@ def plan_disaggregation(args: argparse.Namespace, cfg: ModelConfig, row: dict, p
     """One engine against a P/D pair at the recommended row (`plan.disaggregation`): the prefill
     instance planned like a table row, holding one prompt."""
     work = setup["workload"]
-    problems = layout_problems(cfg, pc)
-    prefill_row = planner.plan_size(cfg, pc, weight_bytes=0 if problems else weight_bytes_per_device(
-        cfg, pc, weight_dtype), problems=problems, **setup | {"workload": planner.Workload(work.input_len, 1, 1)})
+    prefill_row = plan_row(cfg, pc, weight_dtype, setup | {"workload": planner.Workload(work.input_len, 1, 1)})
     return disaggregation.plan(cfg, row, prefill_row, work=work, kv_dtype=setup["kv_dtype"],
                                device=args.device or DEFAULT_DEVICE, tflops=args.prefill_tflops,
                                link_gbps=args.kv_link_gbps, max_tpot_ms=args.max_tpot_ms)
 
 
-def plan_experts(cfg: ModelConfig, row: dict, tp: int, weight_dtype: str, setup: dict, link) -> dict:
-    """Tensor-parallel experts against EP at the recommended row (`plan.experts`), and the choice."""
-    weights = {ep: weight_bytes_per_device(cfg, ParallelConfig(tp, row["dcp"], enable_expert_parallel=ep),
-                                           weight_dtype) for ep in (False, True)}
-    dtype_bytes = 1 if weight_dtype == planner.FP8 else jnp.dtype(weight_dtype).itemsize
-    rows = experts.compare(cfg, row, tp=tp, weights=weights, weight_dtype=weight_dtype, dtype_bytes=dtype_bytes,
-                           act_bytes=setup["q_bytes"], hbm_tbps=setup["device"].hbm_tbps, link_gbps=link.gbps,
-                           comm=planner.fastest_backend(row))
+def plan_experts(cfg: ModelConfig, row: dict, tp: int, weight_dtype: str, setup: dict, planned: bool) -> dict:
+    """Tensor-parallel experts against EP at the recommended row (`plan.experts`), each planned as
+    a table row (the layout the table was `planned` with is `row` itself), the choice, and by how
+    much the table's layout lost when it is not the choice."""
+    other = plan_row(cfg, ParallelConfig(tp, row["dcp"], enable_expert_parallel=not planned), weight_dtype, setup)
+    by_layout = {planned: row, not planned: other}
+    rows = experts.compare(cfg, [by_layout[False], by_layout[True]], tp=tp, act_bytes=setup["q_bytes"])
     recommended, reason = experts.choose(rows)
-    return {"batch": row["batch"], "rows": rows, "recommended_expert_parallel": recommended, "reason": reason}
+    lost = experts.overruled(rows, planned, recommended)
+    return {"batch": row["batch"], "rows": rows, "planned_expert_parallel": planned,
+            "recommended_expert_parallel": recommended, "overruled": lost,
+            "reason": f"{reason}; {lost['text']}" if lost else reason}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,8 +25,9 @@ from dcpjax.runner.kv_layout import kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
 
 GB = 1e9
+FP8 = "float8_e4m3fn"  # fp8 block-scaled weights, as `weight_bytes_per_device` counts them
 DTYPES = ("bfloat16", "float16", "float32")
-WEIGHT_DTYPES = (*DTYPES, "float8_e4m3fn")
+WEIGHT_DTYPES = (*DTYPES, FP8)
 KV_DTYPES = (*DTYPES, "fp8")
 REQUIRED = ("name", "model", "parallel", "device_memory_bytes")
 # a deployment file's fields: (JSON type, test, what the value must be)

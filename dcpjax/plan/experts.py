@@ -1,6 +1,9 @@
-"""Expert parallelism in the plan: tensor-parallel experts against experts placed whole (EP), at
-the recommended DCP size, side by side: weights per device, the combine's collective bytes, the
-routed-expert bytes the busiest device reads in a decode step, and a roofline step.
+"""Expert parallelism in the plan: how a decode step reads the routed experts (`routed_bytes`,
+which the planner's roofline counts in every row), and tensor-parallel experts against experts
+placed whole (EP) at the recommended DCP size, side by side: weights per device, the combine's
+collective bytes, the routed-expert bytes the busiest device reads in a decode step, and the
+step, each layout planned as a row of the main table (so the layout the table was planned with
+shows the table's own step).
 
 Why the reads differ: a decode step of B tokens activates some experts (each token picks top-k of
 E; uniform routing assumed, p = 1 - (1 - k/E)^B of them). Tensor-parallel experts read 1/TP of
@@ -25,16 +28,19 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
+
 from dcpjax.models.config import ModelConfig
-from dcpjax.plan.planner import FP8, GB
+from dcpjax.plan.deployment import FP8, GB
+from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import ep_all_to_all_bytes, moe_collective_bytes
 
 FP8_SCALE_OVERHEAD = 1 + 4 / (128 * 128)  # a float32 scale per 128 x 128 block
 
 
-def expert_bytes(cfg: ModelConfig, weight_dtype: str, dtype_bytes: int) -> float:
+def expert_bytes(cfg: ModelConfig, weight_dtype: str) -> float:
     """Bytes of one routed expert's three matrices (gate, up, down), as held."""
-    per_element = 1 * FP8_SCALE_OVERHEAD if weight_dtype == FP8 else dtype_bytes
+    per_element = FP8_SCALE_OVERHEAD if weight_dtype == FP8 else jnp.dtype(weight_dtype).itemsize
     return 3 * cfg.hidden_size * cfg.moe_intermediate_size * per_element
 
 
@@ -59,32 +65,50 @@ def expected_busiest(experts_per_device: int, devices: int, p: float) -> float:
     return total
 
 
-def compare(cfg: ModelConfig, row: dict, *, tp: int, weights: dict[bool, float], weight_dtype: str,
-            dtype_bytes: int, act_bytes: int, hbm_tbps: float, link_gbps: float, comm: str) -> list[dict]:
-    """TP experts and EP at one valid plan row (its batch, KV reads and DCP collectives): one dict
-    each with weight_bytes_per_device, moe_collective_bytes_per_step, expert_read_bytes_per_step
-    (the busiest device's), step_seconds and tokens_per_second. `weights`: bytes per device with EP
-    off (False) and on (True), as the engine holds them; `dtype_bytes`: a weight element's (fp8: 1);
-    `act_bytes`: an activation's."""
-    layers, batch = len(cfg.sparse_layers), row["batch"]
-    one = expert_bytes(cfg, weight_dtype, dtype_bytes)
-    p = activated_share(cfg, batch)
-    per_device = -(-cfg.num_experts // tp)  # EP: whole experts, padded to a multiple of the devices
-    reads = {False: cfg.num_experts * p * one / tp, True: expected_busiest(per_device, tp, p) * one}
-    held = {False: cfg.num_experts * one / tp, True: per_device * one}  # routed experts per device per layer
-    moe = layers * moe_collective_bytes(tokens=batch, hidden=cfg.hidden_size, tp=tp, act_bytes=act_bytes)
+def routed_bytes(cfg: ModelConfig, pc: ParallelConfig, *, batch: int, weight_dtype: str | None) -> tuple[float, float]:
+    """The routed-expert bytes one device holds, and those it reads in a decode step of `batch`
+    tokens (the busiest device's with EP), all sparse layers: a grouped matmul (`ragged_dot`)
+    reads only the experts the step activates. (0, 0) for a dense model, or an unknown
+    `weight_dtype` (then every weight counts as read)."""
+    if not cfg.sparse_layers or weight_dtype is None:
+        return 0.0, 0.0
+    layers, one, p = len(cfg.sparse_layers), expert_bytes(cfg, weight_dtype), activated_share(cfg, batch)
+    if pc.enable_expert_parallel:  # whole experts, padded to a multiple of the devices
+        per_device = -(-cfg.num_experts // pc.tp)
+        return layers * per_device * one, layers * expected_busiest(per_device, pc.tp, p) * one
+    return layers * cfg.num_experts * one / pc.tp, layers * cfg.num_experts * p * one / pc.tp
+
+
+def combine_bytes(cfg: ModelConfig, tp: int, *, batch: int, act_bytes: int) -> float:
+    """Bytes one device receives in a decode step to combine the experts' outputs, all sparse
+    layers: one reduction either way (0 for a dense model)."""
+    return len(cfg.sparse_layers) * moe_collective_bytes(tokens=batch, hidden=cfg.hidden_size, tp=tp,
+                                                         act_bytes=act_bytes)
+
+
+def _name(expert_parallel: bool) -> str:
+    return "EP" if expert_parallel else "tensor-parallel"
+
+
+def compare(cfg: ModelConfig, rows: list[dict], *, tp: int, act_bytes: int) -> list[dict]:
+    """TP experts and EP side by side from `rows`, the plan rows (`planner.plan_size`) of each at
+    one DCP size, EP off then on: one dict each with valid, batch, weight_bytes_per_device,
+    moe_collective_bytes_per_step, all_to_all_bytes_per_step, expert_read_bytes_per_step (the
+    busiest device's), step_seconds (the row's, faster backend) and tokens_per_second; a rejected
+    row has `rejected` (its rules) instead of the step."""
     out = []
-    for ep in (False, True):
-        # the step's other reads as the main table counts them, the routed experts as this step activates them
-        rest = weights[ep] - layers * held[ep] + row["kv_read_bytes_per_step"] + row["state_bytes_per_step"]
-        expert_reads = layers * reads[ep]
-        dcp_seconds = row["step_seconds"][comm] - row["hbm_seconds"]
-        step = (rest + expert_reads) / (hbm_tbps * 1e12) + dcp_seconds + moe / (link_gbps * GB)
-        out.append({"expert_parallel": ep, "weight_bytes_per_device": weights[ep], "moe_collective_bytes_per_step": moe,
-                    "all_to_all_bytes_per_step": layers * ep_all_to_all_bytes(
+    for ep, row in zip((False, True), rows, strict=True):
+        if not row["valid"]:
+            out.append({"expert_parallel": ep, "valid": False, "rejected": "; ".join(row["rules_broken"])})
+            continue
+        step, batch = min(row["step_seconds"].values()), row["batch"]
+        out.append({"expert_parallel": ep, "valid": True, "batch": batch,
+                    "weight_bytes_per_device": row["weight_bytes_per_device"],
+                    "moe_collective_bytes_per_step": row["moe_collective_bytes_per_step"],
+                    "all_to_all_bytes_per_step": len(cfg.sparse_layers) * ep_all_to_all_bytes(
                         tokens=batch, hidden=cfg.hidden_size, top_k=cfg.num_experts_per_tok, ep=tp,
                         act_bytes=act_bytes) if ep else 0.0,
-                    "expert_read_bytes_per_step": expert_reads, "step_seconds": step,
+                    "expert_read_bytes_per_step": row["expert_read_bytes_per_step"], "step_seconds": step,
                     "tokens_per_second": batch / step})
     return out
 
@@ -92,6 +116,10 @@ def compare(cfg: ModelConfig, row: dict, *, tp: int, weights: dict[bool, float],
 def choose(rows: list[dict]) -> tuple[bool, str]:
     """Whether to run EP, and why (a tie within 1 %: EP, for its whole-expert matmuls)."""
     tp_row, ep_row = rows
+    if not (tp_row["valid"] and ep_row["valid"]):
+        ok, rejected = (tp_row, ep_row) if tp_row["valid"] else (ep_row, tp_row)
+        return ok["expert_parallel"], (f"experts: {_name(ok['expert_parallel'])}, "
+                                       f"{_name(rejected['expert_parallel'])} rejected: {rejected['rejected']}")
     ratio = ep_row["step_seconds"] / tp_row["step_seconds"]
     if ratio <= 1.01:
         return True, (f"experts: EP, a step {ratio:.2f}x the TP experts' (the batch activates nearly every expert); "
@@ -100,6 +128,36 @@ def choose(rows: list[dict]) -> tuple[bool, str]:
     return False, (f"experts: tensor-parallel, EP's busiest device reads {busiest:,.2f} GB of experts a step "
                    f"against {spread:,.2f} GB (a step "
                    f"{ratio:.2f}x): at this batch few experts are active and EP's land unevenly")
+
+
+def overruled(rows: list[dict], planned: bool, recommended: bool) -> dict | None:
+    """When the recommended layout is not the one the table was planned with (EP: from
+    --enable-expert-parallel or the deployment file): the table's layout, its step against the
+    recommended one's, by how much it lost, and a sentence saying so. None: they are the same."""
+    lost, won = rows[planned], rows[recommended]
+    if planned == recommended or not lost["valid"]:  # a rejected layout could not have planned the table
+        return None
+    ms, best_ms = lost["step_seconds"] * 1e3, won["step_seconds"] * 1e3
+    flag = "--enable-expert-parallel" if planned else "tensor-parallel experts (no --enable-expert-parallel)"
+    verdict = (f"lost: {_name(planned)}'s step {ms:.2f} ms against {_name(recommended)}'s {best_ms:.2f}, "
+               f"{ms - best_ms:.2f} ms ({ms / best_ms - 1:,.1%}) slower" if ms > best_ms else
+               f"tied: its step {ms:.2f} ms against EP's {best_ms:.2f}, within 1 %, and a tie goes to EP")
+    text = f"{flag}, as the table above is planned, was compared and {verdict}"
+    return {"expert_parallel": planned, "step_ms": ms, "recommended_step_ms": best_ms, "slower_ms": ms - best_ms,
+            "slower_percent": 100 * (ms / best_ms - 1), "text": text}
+
+
+def _table_row(r: dict, planned: bool, batch: int) -> str:
+    name = "EP (whole experts)" if r["expert_parallel"] else "tensor-parallel"
+    name += " (the table's)" if r["expert_parallel"] == planned else ""
+    if not r["valid"]:
+        return f"| {name} | rejected: {r['rejected']} | - | - | - | - | - |"
+    name += f" (batch {r['batch']})" if r["batch"] != batch else ""  # EP's padded experts leave less room for KV
+    a2a = f"{r['all_to_all_bytes_per_step'] / 1e6:,.2f} MB" if r["expert_parallel"] else "-"
+    return (f"| {name} | {r['weight_bytes_per_device'] / GB:,.2f} GB | "
+            f"{r['moe_collective_bytes_per_step'] / 1e6:,.2f} MB | {a2a} | "
+            f"{r['expert_read_bytes_per_step'] / GB:,.2f} GB | {r['step_seconds'] * 1e3:.2f} | "
+            f"{r['tokens_per_second']:,.0f} |")
 
 
 def table_lines(plan: dict) -> list[str]:
@@ -111,14 +169,9 @@ def table_lines(plan: dict) -> list[str]:
               "expert reads / step (busiest device) | step ms | tok/s |")
     lines = [f"Experts at DCP {plan['recommended_dcp']} (batch {experts['batch']}):", "", header,
              "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in experts["rows"]:
-        name = "EP (whole experts)" if r["expert_parallel"] else "tensor-parallel"
-        a2a = f"{r['all_to_all_bytes_per_step'] / 1e6:,.2f} MB" if r["expert_parallel"] else "-"
-        lines.append(f"| {name} | {r['weight_bytes_per_device'] / GB:,.2f} GB | "
-                     f"{r['moe_collective_bytes_per_step'] / 1e6:,.2f} MB | {a2a} | "
-                     f"{r['expert_read_bytes_per_step'] / GB:,.2f} GB | {r['step_seconds'] * 1e3:.2f} | "
-                     f"{r['tokens_per_second']:,.0f} |")
-    return [*lines, "", ("  EP: routed experts whole over the TP devices (--enable-expert-parallel); MoE "
+    lines += [_table_row(r, experts["planned_expert_parallel"], experts["batch"]) for r in experts["rows"]]
+    return [*lines, "", ("  EP: routed experts whole over the TP devices (--enable-expert-parallel); the table's: "
+                         "the layout the table above is planned with, its step ms that table's at this DCP size; MoE "
                          "collectives: the one reduction that combines experts either way; all_to_all instead: "
                          "what a dispatch by all_to_all would move instead of that reduction (two all_to_alls "
                          "and an all-gather; not built); expert reads: uniform routing, the busiest device's")]

@@ -1,5 +1,6 @@
 """Which DCP size to run: every size's rule verdict, capacity, per-step traffic, a roofline
-estimate of the decode step, and a recommendation along the article's three axes
+estimate of the decode step (one model of a step: the experts section shows the same rows), and
+a recommendation along the article's three axes
 (workload, model, interconnect); when no size fits, what would; and the plan as a table
 with a legend of its columns.
 
@@ -17,12 +18,11 @@ from collections.abc import Callable
 
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
+from dcpjax.plan import experts
+from dcpjax.plan.deployment import FP8, GB
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
-
-GB = 1e9
-FP8 = "float8_e4m3fn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +94,12 @@ def memory_held(weight_bytes: float, sequences: int, state_bytes_per_sequence: f
 
 def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Link, workload: Workload,
               weight_bytes: float, kv_dtype, block_size: int = 16, q_bytes: int = 2,
-              utilization: float = 0.9, problems: list[str] | None = None) -> dict:
+              utilization: float = 0.9, problems: list[str] | None = None, weight_dtype: str | None = None) -> dict:
     """One DCP size of the plan: verdict, capacity, traffic and roofline step time (seconds).
+
+    The step: the weights it reads (an MoE's routed experts only as its batch activates them,
+    `experts.routed_bytes`, when `weight_dtype` is given; else every weight), KV and a hybrid's
+    state over HBM, then an MoE's expert combine and DCP's collectives over the link.
 
     `valid`: this size runs at least one sequence of the workload; otherwise `rejected_by` is
     "rules" (a ParallelConfig or layout rule), "weights" (no KV block left) or "context" (not
@@ -129,12 +133,19 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     kv_read = batch * context * per_token
     traffic = _traffic(cfg, pc, batch, q_bytes)
     state_traffic = 2 * batch * state  # each decoding sequence's state read and written back
-    hbm = (weight_bytes + kv_read + state_traffic) / (device.hbm_tbps * 1e12)
-    steps = {comm: hbm + (traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * n * link.latency_us * 1e-6
-                          if pc.dcp > 1 else 0.0) for comm, n in COLLECTIVES_PER_LAYER.items()}
+    held, expert_read = experts.routed_bytes(cfg, pc, batch=batch, weight_dtype=weight_dtype)
+    weight_read = weight_bytes - held + expert_read  # a grouped matmul skips the experts no token picked
+    moe = experts.combine_bytes(cfg, pc.tp, batch=batch, act_bytes=q_bytes)
+    hbm = (weight_read + kv_read + state_traffic) / (device.hbm_tbps * 1e12)
+    moe_seconds = moe / (link.gbps * GB)
+    dcp_seconds = {comm: traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * n * link.latency_us * 1e-6
+                   if pc.dcp > 1 else 0.0 for comm, n in COLLECTIVES_PER_LAYER.items()}
+    steps = {comm: hbm + moe_seconds + seconds for comm, seconds in dcp_seconds.items()}
     return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "state_bytes_per_step": state_traffic,
-                  "collective_bytes_per_step": traffic,
-                  "step_seconds": steps, "hbm_seconds": hbm,
+                  "weight_read_bytes_per_step": weight_read, "expert_read_bytes_per_step": expert_read,
+                  "collective_bytes_per_step": traffic, "moe_collective_bytes_per_step": moe,
+                  "step_seconds": steps, "hbm_seconds": hbm, "moe_collective_seconds": moe_seconds,
+                  "dcp_collective_seconds": dcp_seconds,
                   "tokens_per_second": {comm: batch / s for comm, s in steps.items()}}
 
 
@@ -170,36 +181,72 @@ def nothing_fits(rows: list[dict]) -> str:
     return f"nothing fits at TP {rows[0]['tp']}: " + "; ".join(rejections(rows))
 
 
+def _step(row: dict) -> float:
+    """A valid row's step (seconds) with its faster backend."""
+    return row["step_seconds"][fastest_backend(row)]
+
+
 def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload) -> tuple[int | None, list[str]]:
-    """The DCP size to run (None: no size fits) and the reasons, along the three axes."""
+    """The DCP size to run (None: no size fits) and the reasons for it, along the three axes (each
+    other size's own reason: `not_recommended`)."""
     valid = [r for r in rows if r["valid"]]
     if not valid:
         return None, [nothing_fits(rows)]
     if len(valid) == 1:
-        only, others = valid[0], [r for r in rows if not r["valid"]]
+        only = valid[0]
         if only["dcp"] == 1 and not cfg.use_mla and only["tp"] <= cfg.num_key_value_heads:
             kind = "MHA" if cfg.num_key_value_heads == cfg.num_attention_heads else "this model"
             return 1, [(f"model: {kind}: TP already splits every KV head, so there is no duplicate KV for DCP to "
                         "remove; DCP > 1 rejected")]
-        return only["dcp"], [f"model: only DCP {only['dcp']} fits; " + "; ".join(rejections(others))
-                             if others else f"model: DCP {only['dcp']}"]
+        of = f" of DCP {_sizes(rows)}" if len(rows) > 1 else ""
+        return only["dcp"], [f"model: only DCP {only['dcp']}{of} fits"]
     base = valid[0]
     best = max(valid, key=lambda r: max(r["tokens_per_second"].values()))  # ties: the smaller DCP
     attention = "MLA (one latent per token)" if cfg.use_mla else f"{cfg.num_key_value_heads} KV heads"
     if cfg.is_hybrid:
         attention += f" in {cfg.num_kv_layers} of {cfg.num_hidden_layers} layers (the others keep a fixed state)"
-    gain = valid[-1]["kv_cache_size_tokens"] / base["kv_cache_size_tokens"]
+    held = f"DCP {best['dcp']} holds {best['kv_cache_size_tokens']:,} tokens"
+    if best is not base:
+        held += f", {best['kv_cache_size_tokens'] / base['kv_cache_size_tokens']:.1f}x DCP {base['dcp']}'s"
     shape = f"{workload.concurrency} x ({workload.input_len} in + {workload.output_len} out)"
-    reasons = [f"model: {attention}: DCP {valid[-1]['dcp']} holds {gain:.1f}x the tokens of DCP {base['dcp']}",
-               f"workload: {shape}: {base['sequences_that_fit']} fit at DCP {base['dcp']}"
-               + (f", {best['sequences_that_fit']} at DCP {best['dcp']}" if best is not base else "")]
+    reasons = [f"model: {attention}: {held}",
+               f"workload: {shape}: {best['sequences_that_fit']:,} fit at DCP {best['dcp']}, a batch of {best['batch']}"
+               + (f" ({base['sequences_that_fit']:,} at DCP {base['dcp']})" if best is not base else "")]
     if best["dcp"] > 1:
         comm = fastest_backend(best)
-        share = 1 - best["hbm_seconds"] / best["step_seconds"][comm]
-        reasons.append(f"interconnect: {link.name}: collectives {share:.0%} of the DCP {best['dcp']} step ({comm})")
+        share = best["dcp_collective_seconds"][comm] / best["step_seconds"][comm]
+        reasons.append(f"interconnect: {link.name}: DCP's collectives {share:.0%} of the DCP {best['dcp']} step "
+                       f"({comm})")
     else:
         reasons.append(f"interconnect: {link.name}: DCP's collectives cost more than its smaller KV reads save here")
     return best["dcp"], reasons
+
+
+def _slower(row: dict, best: dict) -> str:
+    """Why a valid size lost to `best`: its step against best's at the same batch, else its tok/s."""
+    ms, best_ms = _step(row) * 1e3, _step(best) * 1e3
+    if row["batch"] == best["batch"]:  # the same sequences a step: the step time decides
+        return (f"{ms:.2f} ms per step ({fastest_backend(row)}), {ms - best_ms:.2f} ms ({ms / best_ms - 1:,.1%}) "
+                f"slower than DCP {best['dcp']}'s {best_ms:.2f}")
+    tps, best_tps = row["batch"] / ms * 1e3, best["batch"] / best_ms * 1e3
+    return (f"{tps:,.0f} tok/s ({row['batch']} sequences in {ms:.2f} ms steps), {1 - tps / best_tps:.1%} fewer "
+            f"than DCP {best['dcp']}'s {best_tps:,.0f} ({best['batch']} in {best_ms:.2f} ms)")
+
+
+def not_recommended(rows: list[dict], choice: int | None) -> list[dict]:
+    """Each DCP size but `choice`, with its own one-line reason: its rule or memory verdict, or its
+    step against the recommended one's. Each: dcp, step_ms (None: rejected), tokens_per_second,
+    reason."""
+    best = next((r for r in rows if r["dcp"] == choice), None)
+    out = []
+    for r in (r for r in rows if r is not best):
+        if not r["valid"]:
+            out.append({"dcp": r["dcp"], "step_ms": None, "tokens_per_second": None,
+                        "reason": f"rejected: {'; '.join(r['rules_broken'])}"})
+            continue
+        out.append({"dcp": r["dcp"], "step_ms": _step(r) * 1e3, "tokens_per_second": r["batch"] / _step(r),
+                    "reason": _slower(r, best)})
+    return out
 
 
 def allowed_tps(cfg: ModelConfig) -> list[int]:
@@ -269,8 +316,10 @@ LEGEND = (
      "(input + output / 2) x KV bytes per token per device; DCP d leaves each device 1/d of every sequence"),
     ("collectives / step / device: bytes one device receives to merge DCP's partial attention, all layers, with "
      "the ag_rs and a2a backends (none at DCP 1)"),
-    ("step ms: roofline of one decode step, (weights + KV read + a hybrid's state read and written) / HBM "
-     "bandwidth, plus collective bytes / link bandwidth and the link's latency per collective"),
+    ("step ms: roofline of one decode step, (weights read + KV read + a hybrid's state read and written) / HBM "
+     "bandwidth, plus collective bytes / link bandwidth and the link's latency per collective; an MoE reads only the "
+     "routed experts its batch activates and adds its expert combine's bytes (the experts section's step ms is this "
+     "column's, at the recommended size)"),
     "tok/s (best): output tokens per second of the replica, batch / step time, with the faster backend",
 )
 
@@ -309,7 +358,7 @@ def alternative_lines(alternatives: list[dict]) -> list[str]:
 
 
 def recommendation_lines(plan: dict) -> list[str]:
-    """`Recommended: ...`, its reasons and, when nothing fits, what would."""
+    """`Recommended: ...`, its reasons, each other size's, and, when nothing fits, what would."""
     choice, comm = plan["recommended_dcp"], plan["recommended_comm_backend"]
     if choice is None:
         lines = ["Recommended: nothing fits", *(f"- {reason}" for reason in plan["reasons"]),
@@ -318,7 +367,9 @@ def recommendation_lines(plan: dict) -> list[str]:
             ("- no TP the heads allow, fp8 weights or shorter context: a device with more memory "
              "(--memory-gb)")])
     backend = f" with dcp_comm_backend={comm}" if choice > 1 else ""
-    return [f"Recommended: DCP {choice}{backend}", *(f"- {reason}" for reason in plan["reasons"])]
+    others = [f"- DCP {r['dcp']}: {r['reason']}" for r in plan.get("not_recommended", [])]
+    return [f"Recommended: DCP {choice}{backend}", *(f"- {reason}" for reason in plan["reasons"]),
+            *(["Not recommended:", *others] if others else [])]
 
 
 def plan_table(plan: dict, sections: list[str] = ()) -> str:

@@ -1,6 +1,12 @@
 """How many bytes of KV cache each device gets when the user does not say (vLLM's
-gpu_memory_utilization on accelerators; on CPU, a share of the host's available memory), and the
-KV cache an engine builds from them."""
+gpu_memory_utilization on accelerators; on CPU, a modest fixed budget), and the KV cache an engine
+builds from them.
+
+CPU: the fake devices all live in this process's host memory, so a share of the host (as a GPU's
+share of its own memory) would make a 135M model's server take gigabytes. The default is what a
+user expects of a CPU run: at most `CPU_KV_BUDGET_BYTES` for the process's devices together (more
+only when one max_model_len sequence needs it), no more than max_num_seqs sequences of
+max_model_len can fill, and never more than a quarter of the host's available memory."""
 
 from __future__ import annotations
 
@@ -17,8 +23,9 @@ from dcpjax.sharding.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 64 << 20  # where the host's available memory cannot be read
-CPU_KV_SHARE = 0.25  # of the host's available memory, for all of this process's devices together
+CPU_DEFAULT_KV_BYTES = 64 << 20  # per device, where the host's available memory cannot be read
+CPU_KV_SHARE = 0.25  # of the host's available memory, for all of this process's devices together: the most
+CPU_KV_BUDGET_BYTES = 1 << 30  # for all of this process's devices together, unless one sequence needs more
 
 
 def host_available_bytes() -> int | None:
@@ -42,12 +49,14 @@ def _free_bytes(device: jax.Device, utilization: float, devices_sharing_host: in
     return int(stats["bytes_limit"] * utilization - stats.get("bytes_in_use", 0))
 
 
-def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_useful: int | None = None) -> int:
+def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_useful: int | None = None,
+                        one_sequence: int = 0) -> int:
     """KV bytes per device: as requested, or what the fullest of this process's mesh devices has
-    free (on CPU: a share of the host's available memory, no more than `most_useful`, what
-    max_num_seqs sequences of max_model_len can fill); over several processes, the smallest any
-    process has (every process must build the same cache, and a process can read only its own
-    devices' memory statistics)."""
+    free (on CPU: `CPU_KV_BUDGET_BYTES` over the process's devices, or `one_sequence`'s bytes if
+    more, no more than `most_useful`, what max_num_seqs sequences of max_model_len can fill, and at
+    most a share of the host's available memory); over several processes, the smallest any process
+    has (every process must build the same cache, and a process can read only its own devices'
+    memory statistics)."""
     if requested is not None:
         if requested <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {requested}")
@@ -55,8 +64,13 @@ def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_us
     mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
     # CPU processes are assumed to share one host (how multi-process CPU runs here): each takes its part
     free = min(_free_bytes(d, utilization, len(mine) * jax.process_count()) for d in mine)
-    if mine[0].platform == "cpu" and most_useful is not None:
-        free = min(free, most_useful)
+    if mine[0].platform == "cpu":
+        budget = max(CPU_KV_BUDGET_BYTES // len(mine), one_sequence)
+        free = min(free, budget if most_useful is None else min(budget, most_useful))
+        logger.info("KV cache on CPU by default: %.1f MiB per device, %.2f GiB for this process's %d devices (up to "
+                    "%.0f GiB in all, or one max_model_len sequence; no more than max_num_seqs sequences fill; at most "
+                    "a quarter of available memory): --kv-cache-memory-bytes sets it", free / 2**20,
+                    free * len(mine) / 2**30, len(mine), CPU_KV_BUDGET_BYTES / 2**30)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
@@ -77,7 +91,8 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
         cfg.num_kv_layers, pc.kv_head_groups) + draft_bytes_per_block
     blocks_per_seq = layout.blocks_needed(max_model_len, block_size, pc.dcp)
     state_bytes = max_num_seqs * cfg.linear_state_bytes(pc.tp)
-    budget = kv_bytes_per_device(requested, utilization, mesh, max_num_seqs * blocks_per_seq * per_block + state_bytes)
+    budget = kv_bytes_per_device(requested, utilization, mesh, max_num_seqs * blocks_per_seq * per_block + state_bytes,
+                                 one_sequence=blocks_per_seq * per_block + state_bytes)
     if state_bytes:
         logger.info("linear-attention state: %.1f MiB per device (%d slots x %d bytes)", state_bytes / 2**20,
                     max_num_seqs, state_bytes // max_num_seqs)
@@ -89,11 +104,12 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
                          extra_bytes_per_block=draft_bytes_per_block)
     tokens = kv.num_blocks * block_size * pc.dcp
     per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups)
-    logger.info("mesh %s over %d %s device(s)", dict(mesh.shape), pc.tp, mesh.devices.flat[0].platform)
+    logger.info("TP %d, DCP %d over %d %s device(s): mesh %s, its axes (TP // DCP, DCP)", pc.tp, pc.dcp, pc.tp,
+                mesh.devices.flat[0].platform, dict(mesh.shape))
     logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)", tokens, kv.num_blocks,
                 block_size, pc.dcp, per_device / 2**20)
     if blocks_per_seq > kv.num_blocks:
         raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks but the cache holds "
-                         f"{kv.num_blocks} ({tokens} tokens); raise kv_cache_memory_bytes (--kv-cache-memory-bytes) "
+                         f"{kv.num_blocks} ({tokens} tokens) — raise kv_cache_memory_bytes (--kv-cache-memory-bytes) "
                          "or lower max_model_len (--max-model-len)")
     return kv, budget

@@ -53,5 +53,5 @@ def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, by
     layout.num_blocks = int(bytes_per_device // per_block)
     if layout.num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={bytes_per_device} holds no block ({per_block} bytes per block "
-                         f"per device); raise it")
+                         f"per device) — raise it (--kv-cache-memory-bytes {per_block} or more)")
     return layout

@@ -84,6 +84,13 @@ def init_distributed(args: argparse.Namespace) -> None:
             raise ValueError("--num-processes > 1 needs --coordinator-address host:port (process 0's)")
         if args.num_cpu_devices:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # From jax 0.12 the processes' collectives meet only when their executables are
+        # byte-identical, stack-frame metadata included; process 0 steps on its engine thread, the
+        # others on their main thread, so with frames every process waits in its first all-reduce
+        # for ever (tests/test_multihost.py). No frames; and metadata in the compilation cache's key,
+        # so an executable cached with frames (an earlier run) is not loaded by one process only.
+        jax.config.update("jax_traceback_in_locations_limit", 0)
+        jax.config.update("jax_compilation_cache_include_metadata_in_key", True)
         jax.distributed.initialize(args.coordinator_address, num_processes=args.num_processes,
                                    process_id=args.process_id)
 

@@ -130,6 +130,18 @@ class ServerContext:
                 connector.release(params)
             raise
 
+    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str,
+                      transfer: KVTransferParams | None) -> None:
+        """A 400 before any work when the prompt and the output the client asked for (`max_tokens`,
+        given by `param`; None: up to the context) pass max_model_len, as vLLM answers. A prefill
+        request from the router asks for 1 token and carries the client's own in `client_max_tokens`:
+        the pair's request is refused here, before its prompt runs."""
+        if prompt_tokens >= self.max_model_len:  # the prompt alone is too long: its own 400 says so
+            return
+        if transfer is not None and transfer.do_remote_decode and transfer.client_max_tokens is not None:
+            max_tokens = transfer.client_max_tokens
+        _check_max_tokens(max_tokens, self.max_model_len, param, prompt_tokens)
+
     def sequences(self, ids: list[int], text: str | None, params: SamplingParams, param: str = "prompt",
                   index: int = 0) -> list[Sequence]:
         """The engine sequences of a prompt's n (or best_of) choices, built by the LLM's own request
@@ -230,13 +242,17 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
                             "gives them)", param="logit_bias") from None
 
 
-def _check_max_tokens(max_tokens: int | None, max_model_len: int, param: str) -> None:
-    """The server's rule (vLLM's): max_tokens within max_model_len, where `LLM.generate` would stop
-    at max_model_len (finish 'length')."""
-    if max_tokens is not None and max_tokens > max_model_len:
-        raise APIError(400, f"{param}={max_tokens} is larger than this server's max_model_len={max_model_len} "
-                            "(prompt + output tokens): ask for at most max_model_len minus the prompt's length",
-                       param=param, code="context_length_exceeded")
+def _check_max_tokens(max_tokens: int | None, max_model_len: int, param: str, prompt_tokens: int = 0) -> None:
+    """The server's rule (vLLM's): the prompt and an explicit max_tokens within max_model_len (where
+    `LLM.generate` would stop at max_model_len, finish 'length')."""
+    if max_tokens is None or prompt_tokens + max_tokens <= max_model_len:
+        return
+    asked = f"{param}={max_tokens}" + (f" with a prompt of {prompt_tokens} tokens ({prompt_tokens + max_tokens} in all)"
+                                      if prompt_tokens else "")
+    raise APIError(400, f"{asked} is larger than this server's max_model_len={max_model_len} (prompt + output "
+                        f"tokens): ask for at most max_model_len minus the prompt's length"
+                        + (f" ({max_model_len - prompt_tokens})" if prompt_tokens else ""),
+                   param=param, code="context_length_exceeded")
 
 
 def _field_of(message: str) -> str | None:

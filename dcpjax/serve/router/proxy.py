@@ -45,7 +45,7 @@ def backend_url(text: str) -> str:
     except ValueError as err:
         raise ValueError(f"{text!r} is not a URL: {err}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        raise ValueError(f"{text!r} is not a server's base URL: give http://HOST:PORT (e.g. http://127.0.0.1:8100)")
+        raise ValueError(f"{text!r} is not a server's base URL — give http://HOST:PORT (e.g. http://127.0.0.1:8100)")
     return text.rstrip("/")
 
 
@@ -85,12 +85,17 @@ def prefill_body(body: dict) -> dict:
     """What the prefill server gets (vLLM's toy proxy's): one token, no stream, keep the KV for a
     decode server. Its token is the client's first (it travels with the KV), so min_tokens stays,
     at most 1 (more is a 400 over max_tokens 1): a first token must not be EOS when the client
-    said so."""
+    said so. The client's max_tokens goes along (`client_max_tokens`): the prefill server refuses a
+    prompt + output past max_model_len before it runs the prompt, as the decode server would after."""
+    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    transfer: dict = {"do_remote_decode": True}
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1:  # else the servers' own 400s say why
+        transfer["client_max_tokens"] = asked
     body = {k: v for k, v in body.items() if k not in ("max_completion_tokens", "stream_options")}
     if "min_tokens" in body:
         minimum = body["min_tokens"]
         body["min_tokens"] = min(minimum, 1) if isinstance(minimum, int) and not isinstance(minimum, bool) else minimum
-    return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    return {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": transfer}
 
 
 def decode_body(body: dict, kv_transfer_params: dict) -> dict:

@@ -58,6 +58,7 @@ def add_chat_route(app: FastAPI, server: ServerContext, responses) -> None:
             parser, opening = server.tools.parser_for(body)
             ids, text = chat_prompt(server, body, tool_definitions(body), opening)
             limit = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            server.check_context(len(ids), getattr(body, limit), limit, body.kv_transfer_params)
             params = server.sampling(body, getattr(body, limit), (body.top_logprobs or 0) if body.logprobs else None,
                                      limit)
             seqs = server.sequences(ids, text, params, param="messages")

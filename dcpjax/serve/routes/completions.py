@@ -95,6 +95,8 @@ def add_completions_route(app: FastAPI, server: ServerContext, responses) -> Non
             if body.kv_transfer_params is not None and len(prompts) > 1:  # one handle: one prompt's KV
                 raise APIError(400, f"kv_transfer_params goes with one prompt; this request has {len(prompts)}: send "
                                     "one request per prompt", param="kv_transfer_params")
+            for ids, _ in prompts:  # an explicit max_tokens (0 with echo: the prompt alone)
+                server.check_context(len(ids), body.max_tokens or None, "max_tokens", body.kv_transfer_params)
             max_tokens = 16 if body.max_tokens is None else max(body.max_tokens, 1)
             # echo with logprobs returns the prompt's logprobs too
             prompt_top = body.logprobs if body.echo and body.logprobs is not None else None
