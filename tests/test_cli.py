@@ -11,6 +11,7 @@ import ast
 import asyncio
 import logging
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -360,3 +361,13 @@ def test_generate_says_first_when_the_weights_are_random(capsys):
     assert generate.main(["--prompt", "hi", "--max-tokens", "2"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("note: tiny-llama has random weights") and "--model smollm2-135m-instruct" in first
+
+
+def test_generate_help_shows_the_sampling_defaults():
+    """--help names each sampling flag's default (greedy: temperature 0), as the engine flags do."""
+    entries = re.split(r"\n  (?=-)", generate.build_parser().format_help())  # one per flag
+    for flag, default in (("--max-tokens", "32"), ("--temperature", "0.0"), ("--top-p", "1.0"), ("--top-k", "0"),
+                          ("--min-p", "0.0")):
+        entry, = (" ".join(e.split()) for e in entries if e.startswith(flag + " "))
+        assert f"(default: {default})" in entry, entry
+    assert "0 is greedy" in " ".join(entries)
