@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             weights = weight_bytes_per_device(cfg, pc, jnp.float32)
             row = planner.plan_size(cfg, pc, device=dataclasses.replace(device, memory_gb=(KV_BYTES + weights) / 1e9),
                                     link=link, workload=planner.Workload(context, args.steps, args.batch),
-                                    weight_bytes=weights, kv_dtype=jnp.float32, utilization=1.0, q_bytes=4)
+                                    weight_bytes=weights, kv_dtype=jnp.float32, utilization=1.0, q_bytes=4,
+                                    weight_dtype="float32")
             predicted = row["step_seconds"]["ag_rs"]
             measured = run(args.model, args.tp, dcp, context, args.batch, args.steps)["step_ms"] / 1e3
             print(f"| {context:,} | {dcp} | {predicted * 1e3:.3f} ({row['hbm_seconds'] * 1e3:.3f}) | "

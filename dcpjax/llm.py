@@ -67,8 +67,9 @@ class LLM:
       dtype: "auto" (bfloat16 on GPU/TPU, float32 on CPU), "bfloat16", "float32", "float16".
       max_model_len: longest prompt + output (default: the model's max_position_embeddings).
       kv_cache_memory_bytes: KV bytes per device (default: gpu_memory_utilization of device
-        memory; on CPU, a quarter of the host's available memory split over this process's
-        devices, and no more than max_num_seqs sequences of max_model_len can fill).
+        memory; on CPU, 1 GiB split over this process's devices, or one max_model_len sequence
+        if more, no more than max_num_seqs sequences of max_model_len can fill and a quarter of
+        the host's available memory).
       kv_cache_dtype: "auto" (the model dtype), "fp8" (e4m3 with a float32 scale per token and
         KV head, dequantised inside the attention kernels) or a dtype name.
       attention_backend: "auto" | "pallas" | "reference".

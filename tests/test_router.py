@@ -442,3 +442,17 @@ def test_python_m_router_answers_metrics_within_2_s_of_starting():
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0, proc.stderr.read()
+
+
+@pytest.mark.parametrize("body, chat, sent", [
+    ({"max_tokens": 7}, False, 7),
+    ({"max_tokens": 7, "max_completion_tokens": 9}, True, 9),  # a chat's max_completion_tokens wins
+    ({"max_tokens": 7, "max_completion_tokens": None}, True, 7),  # null is not given
+    ({"max_tokens": 7, "max_completion_tokens": 9}, False, 7),  # not a completions field: its own 400 says so
+    ({"max_tokens": True}, False, None), ({"max_tokens": 0}, False, None), ({}, True, None),
+])
+def test_the_prefill_carries_the_clients_max_tokens(body, chat, sent):
+    from dcpjax.serve.router.proxy import prefill_body
+
+    transfer = prefill_body({"model": "tiny", **body}, chat=chat)["kv_transfer_params"]
+    assert transfer == {"do_remote_decode": True} | ({"client_max_tokens": sent} if sent is not None else {})

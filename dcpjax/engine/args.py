@@ -158,8 +158,9 @@ class EngineArgs:
                                      readable=True, cli_values={"auto": None, "-1": None})
     kv_cache_memory_bytes: int | None = _arg(
         None, "KV cache bytes per device (4G = 4 GiB, 4g = 4e9)", check=_at_least(1), readable=True,
-        default_help="--gpu-memory-utilization of device memory; on CPU a quarter of the host's available memory "
-        "over this process's devices, at most what --max-num-seqs sequences of --max-model-len fill")
+        default_help="--gpu-memory-utilization of device memory; on CPU 1 GiB over this process's devices (or one "
+        "--max-model-len sequence if more), at most what --max-num-seqs sequences of --max-model-len fill and a "
+        "quarter of the host's available memory")
     gpu_memory_utilization: float = _arg(0.9, "share of device memory for the KV cache when "
                                          "--kv-cache-memory-bytes is not given", kind=float, check=_fraction)
     kv_cache_dtype: str = _arg("auto", "'auto' (the model dtype), 'fp8' (e4m3 with a float32 scale per token and "

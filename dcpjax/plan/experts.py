@@ -120,7 +120,8 @@ def choose(rows: list[dict]) -> tuple[bool, str]:
         ok, rejected = (tp_row, ep_row) if tp_row["valid"] else (ep_row, tp_row)
         return ok["expert_parallel"], (f"experts: {_name(ok['expert_parallel'])}, "
                                        f"{_name(rejected['expert_parallel'])} rejected: {rejected['rejected']}")
-    ratio = ep_row["step_seconds"] / tp_row["step_seconds"]
+    # time per output token: the step ratio at the same batch, and right when the layouts' batches differ
+    ratio = tp_row["tokens_per_second"] / ep_row["tokens_per_second"]
     if ratio <= 1.01:
         return True, (f"experts: EP, a step {ratio:.2f}x the TP experts' (the batch activates nearly every expert); "
                       "whole experts make larger matmuls and keep fp8 blocks whole")

@@ -74,7 +74,8 @@ def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_us
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
 
-        kib = multihost_utils.process_allgather(np.asarray(max(free, 0) // 1024, np.int32))  # int32 KiB: < 2 TiB
+        # int32 KiB (< 2 TiB), rounded up: a budget of exactly one sequence must not lose a block
+        kib = multihost_utils.process_allgather(np.asarray(-(-max(free, 0) // 1024), np.int32))
         free = int(np.min(kib)) * 1024
     return free
 

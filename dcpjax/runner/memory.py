@@ -3,9 +3,11 @@ out from the OOM killer.
 
 CPU: the fake devices are all this process's host memory, so the peak is every device's weights and
 KV cache together plus the runtime (Python, JAX, XLA's compiled steps and its working buffers),
-which `CPU_RUNTIME_BYTES` stands for: measured 1.3-1.7 GiB of peak RSS beyond weights + KV with
-SmolLM2 at TP 9 (the server and `make demo`; benchmarks/RESULTS.md). Accelerators: the fullest
-device's weights + KV against its memory limit (XLA's activations come on top)."""
+which `CPU_RUNTIME_BYTES` stands for: measured about 1.1 GiB of peak RSS beyond weights + KV
+for a SmolLM2 server at TP 9 whose steps load from the compilation cache, 1.7 GiB for `make
+demo` (two engines, compiling), so the line errs high. A draft model's weights and a P/D
+server's transfer buffers are not counted. Accelerators: the fullest device's weights + KV
+against its memory limit (XLA's activations come on top)."""
 
 from __future__ import annotations
 

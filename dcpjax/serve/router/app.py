@@ -95,8 +95,8 @@ class Router:
         """The first hop: the prompt's prefill, and the handle to its KV."""
         url = self.prefill.next()
         start = time.perf_counter()
-        answer = await send(self.client, "prefill", url, "POST", path, headers=headers, body=prefill_body(body),
-                            timeout=self.timeout)
+        answer = await send(self.client, "prefill", url, "POST", path, headers=headers,
+                            body=prefill_body(body, chat=path == CHAT), timeout=self.timeout)
         self.metrics.prefill_seconds.observe(time.perf_counter() - start)
         if answer.status_code >= 400:
             raise Reply(relay(answer), "prefill_error")

@@ -81,13 +81,16 @@ def unreachable(role: str, url: str, err: httpx.HTTPError, timeout: float, note:
     return Reply(error_response(503, message, "service_unavailable", f"{role}_unreachable"), f"{role}_unavailable")
 
 
-def prefill_body(body: dict) -> dict:
+def prefill_body(body: dict, chat: bool = False) -> dict:
     """What the prefill server gets (vLLM's toy proxy's): one token, no stream, keep the KV for a
     decode server. Its token is the client's first (it travels with the KV), so min_tokens stays,
     at most 1 (more is a 400 over max_tokens 1): a first token must not be EOS when the client
     said so. The client's max_tokens goes along (`client_max_tokens`): the prefill server refuses a
-    prompt + output past max_model_len before it runs the prompt, as the decode server would after."""
-    asked = body.get("max_completion_tokens", body.get("max_tokens"))
+    prompt + output past max_model_len before it runs the prompt, as the decode server would after
+    (`chat`: a chat's max_completion_tokens, when given, wins over max_tokens, as OpenAI's)."""
+    asked = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        asked = body["max_completion_tokens"]
     transfer: dict = {"do_remote_decode": True}
     if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1:  # else the servers' own 400s say why
         transfer["client_max_tokens"] = asked
