@@ -325,7 +325,7 @@ def _bytes_for_blocks(cfg, blocks: int) -> int:
 # -- what a configuration or a request gets wrong: one line naming the fix -----------------------------
 @pytest.mark.parametrize("value, message", [
     ('{"kv_role": "prefill"}', "kv_role must be one of ['kv_producer', 'kv_consumer', 'kv_both'], got 'prefill'"),
-    ('{"kv_role": "kv_producer", "kv_connector": "NixlConnector"}', "(NixlConnector is vLLM's); leave it out"),
+    ('{"kv_role": "kv_producer", "kv_connector": "NixlConnector"}', "(NixlConnector is vLLM's) — leave it out"),
     ('{"kv_role": "kv_producer", "kv_port": 70000}', "kv_port must be a port in [0, 65535], got 70000"),
     ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"timeout": 3}}', "unknown keys ['timeout']; known:"),
     ('{"kv_role": "kv_consumer", "kv_connector_extra_config": {"retries": -1}}', "retries must be a number >= 0"),

@@ -21,11 +21,10 @@ from dcpjax.engine.args import EngineArgs
 from dcpjax.engine.preflight import expert_parallel_problem
 from dcpjax.loader.model_loader import planned_weight_bytes
 from dcpjax.models.config import ModelConfig
+from dcpjax.plan.units import FP8, GB
 from dcpjax.runner.kv_layout import kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
 
-GB = 1e9
-FP8 = "float8_e4m3fn"  # fp8 block-scaled weights, as `weight_bytes_per_device` counts them
 DTYPES = ("bfloat16", "float16", "float32")
 WEIGHT_DTYPES = (*DTYPES, FP8)
 KV_DTYPES = (*DTYPES, "fp8")

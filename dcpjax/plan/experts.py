@@ -31,7 +31,7 @@ import math
 import jax.numpy as jnp
 
 from dcpjax.models.config import ModelConfig
-from dcpjax.plan.deployment import FP8, GB
+from dcpjax.plan.units import FP8, GB
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import ep_all_to_all_bytes, moe_collective_bytes
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.registry import layout_problems
 from dcpjax.plan import experts
-from dcpjax.plan.deployment import FP8, GB
+from dcpjax.plan.units import FP8, GB
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
