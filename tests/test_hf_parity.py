@@ -75,8 +75,19 @@ FP8_CASES = {
 NEWEST_JAX_ONLY |= {"deepseek-v3-fp8": {(8, 4, 1, "ag_rs", "pallas"), (4, 2, 2, "a2a", "pallas")},
                     "qwen3-moe-fp8": {(4, 2, 1, "ag_rs", "pallas")}}
 
+# Gemma 3 (sliding window 8 on four of six layers, the full ones mid-stack and last; 8 query heads / 1 KV head:
+# DCP up to TP; final-logit soft-cap; linear RoPE on the full layers only) and Gemma 2 (attention soft-cap in
+# every kernel, window 8 on every other layer; 2 KV heads): prompts of 1 to 200 tokens, far past the window
+GEMMA_CASES = {
+    "gemma3-tiny": [(1, 1, 1, "ag_rs", "reference"), (8, 8, 1, "ag_rs", "reference"), (8, 4, 2, "a2a", "reference"),
+                    (4, 4, 1, "a2a", "pallas"), (8, 2, 4, "ag_rs", "pallas")],
+    "gemma2": [(1, 1, 1, "ag_rs", "reference"), (8, 4, 1, "a2a", "reference"), (4, 2, 2, "ag_rs", "pallas")],
+}
+NEWEST_JAX_ONLY |= {"gemma3-tiny": {(8, 4, 2, "a2a", "reference"), (8, 2, 4, "ag_rs", "pallas")}}
+
 PARAMS = (
-    [_case(name, case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
+    [_case(name, case) for name, cases in GEMMA_CASES.items() for case in cases]
+    + [_case(name, case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
     + [_case("qwen3-next", case) for case in HYBRID_CASES]
     + [("qwen2", *case) for case in (CASES[0], CASES[6], CASES[7])]  # q/k/v bias, linear RoPE, tied embeddings
     + [("deepseek-v3", *case) for case in MLA_CASES]
@@ -134,6 +145,7 @@ def check_against_transformers(name, tp, dcp, interleave, comm, backend, **engin
     ("llama3-rope", 8, 2, 4, "ag_rs"),
     ("qwen3", 4, 2, 2, "a2a"),
     ("deepseek-v3", 8, 8, 2, "a2a"),
+    ("gemma3-tiny", 8, 4, 1, "ag_rs"),
 ])
 def test_prompt_logprobs_match_transformers(name, tp, dcp, interleave, comm):
     """Prompt logprobs of prompt + greedy continuation equal transformers' logprobs of each

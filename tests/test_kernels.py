@@ -22,8 +22,8 @@ LAYOUTS = {
     "mla": (8, 1, 40, 32, True),  # latent 32 + rope 8
 }
 CHUNK_IMPLS = {
-    "reference": lambda q, kv, n, sm_scale=None, starts=None: attention(
-        q, kv, n, AttentionOptions(sm_scale, "reference"), starts),
+    "reference": lambda q, kv, n, sm_scale=None, starts=None, softcap=None: attention(
+        q, kv, n, AttentionOptions(sm_scale, "reference", softcap=softcap), starts),
     "pallas": attention_pallas,  # the GPU (Triton) kernel, interpreted on CPU
     "pallas_tpu": lambda *a, **kw: attention_pallas(*a, target="tpu", **kw),  # Mosaic kernel, interpreted
 }
@@ -86,6 +86,18 @@ def test_float32_matches_oracle(impl, paged, layout):
     assert out.shape == (3, q.shape[1], dv) and lse.dtype == jnp.float32
     want = attention_f64(q, k, k[..., :dv] if v is None else v, lengths, sm_scale=0.3)
     assert_close_to_oracle(out, lse, *want, atol=2e-5)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("layout", ["gqa", "mla"])
+def test_logit_softcap_matches_oracle(impl, layout):
+    """Gemma 2's attention soft-cap: a scale large enough that tanh bends the scores."""
+    q, k, v, lengths, dv = make_inputs(layout)
+    out, lse = run(impl, q, k, v, lengths, dv, paged=True, sm_scale=2.0, softcap=5.0)
+    values = k[..., :dv] if v is None else v
+    assert_close_to_oracle(out, lse, *attention_f64(q, k, values, lengths, sm_scale=2.0, softcap=5.0), atol=2e-5)
+    uncapped = attention_f64(q, k, values, lengths, sm_scale=2.0)[1]
+    assert np.abs(np.asarray(lse)[lengths > 0] - uncapped[lengths > 0]).max() > 1.0  # the cap changed the answer
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))

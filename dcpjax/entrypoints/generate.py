@@ -22,9 +22,9 @@ import time
 import dcpjax
 from dcpjax.engine.args import EngineArgs
 from dcpjax.entrypoints import cli
-from dcpjax.loader.model_source import BUILTIN_GGUF, has_random_weights
+from dcpjax.loader.model_source import DEFAULT_PRETRAINED, has_random_weights
 
-PRETRAINED = next(iter(BUILTIN_GGUF))  # the built-in model with real weights (smollm2-135m-instruct)
+PRETRAINED = DEFAULT_PRETRAINED  # the built-in model with real weights it suggests (smollm2-135m-instruct)
 DEFAULT_PROMPTS = [
     "Decode context parallelism splits the KV cache by token position.",
     "The quick brown fox",

@@ -37,11 +37,14 @@ class AttentionOptions:
     backend: "auto" (Pallas on GPU/TPU when the shapes fit its tiles, else the jnp
       reference), "pallas" or "reference".
     platform: where it runs, "cpu" | "gpu" | "tpu" (default: JAX's default backend).
+    softcap: soft-cap the scaled scores to softcap * tanh(s / softcap) before the softmax (Gemma 2's
+      attn_logit_softcapping); None: no cap.
     """
 
     sm_scale: float | None = None
     backend: str = "auto"
     platform: str | None = None
+    softcap: float | None = None
 
     def __post_init__(self):
         check_attention_backend(self.backend)
@@ -160,6 +163,12 @@ def finish_softmax(acc, row_max, row_sum, out_dtype):
     out = acc / jnp.where(has_tokens, row_sum, 1.0)[..., None]
     lse = jnp.where(has_tokens, row_max + jnp.log(jnp.where(has_tokens, row_sum, 1.0)), -jnp.inf)
     return out.astype(out_dtype), lse.astype(jnp.float32)
+
+
+def soft_cap(scores: jax.Array, softcap: float | None) -> jax.Array:
+    """Scaled attention scores squashed into (-softcap, softcap) (Gemma 2); None: unchanged. Zero at
+    zero and monotonic, so masking after it (to -inf) is unaffected."""
+    return scores if softcap is None else softcap * jnp.tanh(scores / softcap)
 
 
 def dot_f32(a: jax.Array, b: jax.Array, contract_b: int) -> jax.Array:

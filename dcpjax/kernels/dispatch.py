@@ -68,8 +68,8 @@ def attention(q: jax.Array, kv: KVCache, bounds: jax.Array, options: AttentionOp
     if resolve_backend(options, shapes, kv) == "pallas":
         platform = options.platform or jax.default_backend()
         return run_pallas(q, kv, bounds, shapes, scale, target=default_target(platform), interpret=platform == "cpu",
-                          starts=starts)
-    return attention_reference(q, kv, bounds, shapes, scale, starts)
+                          starts=starts, softcap=options.softcap)
+    return attention_reference(q, kv, bounds, shapes, scale, starts, options.softcap)
 
 
 def decode_attention(q: jax.Array, kv: KVCache, lengths: jax.Array,

@@ -10,16 +10,24 @@ from __future__ import annotations
 import numpy as np
 
 
-def attention_f64(q, k, v, lengths, sm_scale: float | None = None):
+def attention_f64(q, k, v, lengths, sm_scale: float | None = None, window: int | None = None,
+                  softcap: float | None = None):
     """q [B, Hq, dk], k [B, S, Hkv, dk], v [B, S, Hkv, dv], lengths [B]
-    -> out [B, Hq, dv], lse [B, Hq] in float64; an empty sequence gives 0 and -inf."""
+    -> out [B, Hq, dv], lse [B, Hq] in float64; an empty sequence gives 0 and -inf.
+    window: the query (at position length - 1) sees only the last `window` positions;
+    softcap: scaled scores become softcap * tanh(score / softcap) (Gemma 2)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _, q_heads, dk = q.shape
     seq, kv_heads = k.shape[1], k.shape[2]
     scale = 1.0 / np.sqrt(dk) if sm_scale is None else sm_scale
     head_of = np.arange(q_heads) // (q_heads // kv_heads)  # the KV head each q head reads
     scores = np.einsum("bhd,bshd->bhs", q, k[:, :, head_of]) * scale
-    valid = np.arange(seq)[None, None, :] < np.asarray(lengths)[:, None, None]
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    index, lengths = np.arange(seq)[None, None, :], np.asarray(lengths)[:, None, None]
+    valid = index < lengths
+    if window is not None:
+        valid &= index >= lengths - window
     scores = np.where(valid, scores, -np.inf)
     peak = scores.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)

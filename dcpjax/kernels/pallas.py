@@ -56,7 +56,8 @@ def query_rows(q: jax.Array, bounds: jax.Array, starts: jax.Array | None, shapes
 
 def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes, sm_scale: float, *,
                target: str, interpret: bool, num_kv_splits: int | None = None,
-               block_rows: int | None = None, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+               block_rows: int | None = None, starts: jax.Array | None = None,
+               softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """The kernel for `target` on arguments already validated (`check_attention_args`)."""
     if target == "tpu" and not interpret:  # the interpreter has no tiling rules
         problem = tpu_tiling_problem(shapes.kv_heads, shapes.dk, shapes.dv, shapes.block_size, kv.use_mla,
@@ -68,10 +69,10 @@ def run_pallas(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionSh
     args = (qg, bounds, starts, kv.k, kv.v, kv.block_tables.astype(jnp.int32), kv.k_scale, kv.v_scale)
     if target == "tpu":
         out, lse = paged_attention_tpu(*args, sm_scale=sm_scale, dv=shapes.dv, interpret=interpret,
-                                       block_rows=block_rows)
+                                       block_rows=block_rows, softcap=softcap)
     else:
         out, lse = paged_attention_gpu(*args, sm_scale=sm_scale, dv=shapes.dv, num_splits=num_kv_splits,
-                                       interpret=interpret, block_rows=block_rows)
+                                       interpret=interpret, block_rows=block_rows, softcap=softcap)
     return from_rows(out, shapes).astype(q.dtype), from_rows(lse, shapes)
 
 
@@ -87,6 +88,7 @@ def attention_pallas(
     platform: str | None = None,
     block_rows: int | None = None,
     starts: jax.Array | None = None,
+    softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The Pallas kernel directly (tests, benchmarks); contract in `dcpjax.kernels.common`.
 
@@ -106,4 +108,4 @@ def attention_pallas(
     interpret = platform == "cpu" if interpret is None else bool(interpret)
     scale = AttentionOptions(sm_scale).scale(shapes.dk)
     return run_pallas(q, kv, bounds, shapes, scale, target=target, interpret=interpret, num_kv_splits=num_kv_splits,
-                      block_rows=block_rows, starts=starts)
+                      block_rows=block_rows, starts=starts, softcap=softcap)

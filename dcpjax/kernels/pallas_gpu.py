@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from dcpjax.kernels.common import dot_f32
+from dcpjax.kernels.common import dot_f32, soft_cap
 from dcpjax.kernels.merge import merge_partials
 
 
@@ -56,7 +56,7 @@ def default_num_splits(batch: int, kv_heads: int, pages: int, interpret: bool) -
 
 def _gpu_kernel(
     tables_ref, bounds_ref, starts_ref, q_ref, k_ref, v_ref, *refs,
-    sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks,
+    sm_scale, block_size, pages_per_split, k_chunks, v_chunks, v_from_k, scaled, row_blocks, softcap,
 ):
     """One program's block of rows (r = block_rows): q_ref [r, dk]; bounds_ref [r] causal bound
     per row and starts_ref [r] its first visible token; k_ref [Hkv, N, bs, dk]; v_ref [Hkv, N, bs,
@@ -84,6 +84,7 @@ def _gpu_kernel(
         scores = sum(dot_f32(qp, kp, 1) for qp, kp in zip(q_parts, k_parts)) * sm_scale  # [rows, bs]
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * ks_ref[head, page, :][None, :]
+        scores = soft_cap(scores, softcap)
         positions = page_index * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where((positions >= starts[:, None]) & (positions < bounds[:, None]), scores, -jnp.inf)
         # A row may see no token of this page (shorter bound, padding): keep its max finite.
@@ -122,9 +123,10 @@ def _triton_params():
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret", "block_rows"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "num_splits", "interpret", "block_rows", "softcap"))
 def paged_attention_gpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float,
-                        dv: int, num_splits: int | None, interpret: bool = False, block_rows: int | None = None):
+                        dv: int, num_splits: int | None, interpret: bool = False, block_rows: int | None = None,
+                        softcap: float | None = None):
     """Split-K attention of query rows over pages.
 
     Args:
@@ -153,9 +155,8 @@ def paged_attention_gpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_
     scaled = k_scale is not None
     scales = [k_scale, k_scale if v_scale is None else v_scale] if scaled else []
     kernel = functools.partial(
-        _gpu_kernel, sm_scale=sm_scale, block_size=block_size, pages_per_split=pages_per_split,
-        k_chunks=k_chunks, v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled, row_blocks=row_blocks,
-    )
+        _gpu_kernel, sm_scale=sm_scale, block_size=block_size, pages_per_split=pages_per_split, k_chunks=k_chunks,
+        v_chunks=v_chunks, v_from_k=v_from_k, scaled=scaled, row_blocks=row_blocks, softcap=softcap)
     per_row = pl.BlockSpec((None, block_rows), lambda b, g, s: (b, g % row_blocks))  # bounds, starts
     partial_out, partial_lse = pl.pallas_call(
         kernel,

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dcpjax.kernels.common import dot_f32
+from dcpjax.kernels.common import dot_f32, soft_cap
 
 LANES = 128
 SUBLANES = 8
@@ -52,7 +52,7 @@ def tpu_block_rows(rows: int, dk: int, dv: int, max_elements: int = 131072) -> i
 
 
 def _tpu_kernel(tables_ref, tile_bound_ref, tile_start_ref, q_ref, bounds_ref, starts_ref, k_ref, *refs, sm_scale,
-                block_size, dv, v_from_k, scaled):
+                block_size, dv, v_from_k, scaled, softcap):
     """One grid step's block of rows (r = block_rows) and page: q_ref [r, dk]; bounds_ref [r, 1]
     causal bound per row, starts_ref [r, 1] its first visible token; k_ref [bs, dk]; then v_ref
     [bs, dv] unless v_from_k (MLA: V is K's first dv lanes, so K is fetched once); then, for an
@@ -80,6 +80,7 @@ def _tpu_kernel(tables_ref, tile_bound_ref, tile_start_ref, q_ref, bounds_ref, s
         scores = dot_f32(q, k, 1) * sm_scale  # [rows, bs]
         if scaled:  # per-token scales fold into the scores and the probabilities
             scores = scores * jnp.transpose(ks_ref[...])
+        scores = soft_cap(scores, softcap)
         positions = page * block_size + jax.lax.broadcasted_iota(jnp.int32, scores.shape, 1)
         scores = jnp.where((positions >= starts_ref[...]) & (positions < bounds_ref[...]), scores, -jnp.inf)
         old_max = max_scr[...]
@@ -135,9 +136,10 @@ def _grid_spec(grid, block_rows: int, block_size: int, dk: int, dv: int, v_from_
     )
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "interpret", "block_rows"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "dv", "interpret", "block_rows", "softcap"))
 def paged_attention_tpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_scale=None, *, sm_scale: float,
-                        dv: int, interpret: bool = False, block_rows: int | None = None):
+                        dv: int, interpret: bool = False, block_rows: int | None = None,
+                        softcap: float | None = None):
     """Attention of query rows over pages on TPU (no KV splits: one core walks a sequence).
 
     Args:
@@ -173,7 +175,7 @@ def paged_attention_tpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_
     grid = (batch, kv_heads, row_blocks, block_tables.shape[1])
     grid_spec = _grid_spec(grid, block_rows, block_size, dk, dv, v_from_k, scaled)
     kernel = functools.partial(_tpu_kernel, sm_scale=sm_scale, block_size=block_size, dv=dv, v_from_k=v_from_k,
-                               scaled=scaled)
+                               scaled=scaled, softcap=softcap)
     out, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,

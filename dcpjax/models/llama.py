@@ -34,9 +34,10 @@ from dcpjax.sharding.mesh import kv_head_slots, reduce_model
 class LlamaAttention(nnx.Module):
     """GQA over the paged DCP cache. Qwen3-Next's full-attention layers add a sigmoid output gate
     (q_proj gives each head's query and gate side by side), RoPE on a part of each head
-    (`rotary_dim`) and (1 + w) q/k norms."""
+    (`rotary_dim`) and (1 + w) q/k norms; Gemma's layers a sliding window on some of them (with
+    their own RoPE base) and the softmax scale query_pre_attn_scalar ** -0.5."""
 
-    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype):
+    def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype, layer: int):
         heads, d, hidden = cfg.num_attention_heads, cfg.head_dim, cfg.hidden_size
         slots = kv_head_slots(cfg.num_key_value_heads, pc)
         self.output_gate = cfg.attention_output_gate
@@ -53,9 +54,10 @@ class LlamaAttention(nnx.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim", offset=cfg.norm_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, axis="head_dim", offset=cfg.norm_offset)
         self.rotary_dim = cfg.rotary_dim
-        inv_freq, self.rope_factor = rope_frequencies(cfg.rope, self.rotary_dim)
+        inv_freq, self.rope_factor = rope_frequencies(cfg.rope_of(layer), self.rotary_dim)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static: plain floats, not a Variable
         self.has_bias, self.has_qk_norm, self.head_dim = cfg.attention_bias, cfg.qk_norm, d
+        self.scale, self.window, self.softcap = cfg.attention_scale, cfg.window_of(layer), cfg.attn_logit_softcapping
 
     def _rope(self, x, positions):
         """RoPE on the first `rotary_dim` dims of each head (all of them unless partial)."""
@@ -84,9 +86,9 @@ class LlamaAttention(nnx.Module):
 
         flat = lambda a: a.reshape(-1, *a.shape[2:])  # [B, T, H, d] -> [B * T, H, d]
         kv = kv.write(flat(k), flat(v), batch.slots)
-        options = dataclasses.replace(ctx.attention, sm_scale=self.head_dim**-0.5)
+        options = dataclasses.replace(ctx.attention, sm_scale=self.scale, softcap=self.softcap)
         out, _ = dcp_attention(q, kv.with_block_tables(batch.block_tables), batch.causal_bounds, ctx.pc, options,
-                               batch.page_offsets)
+                               batch.page_offsets, self.window)
         out = out.astype(x.dtype)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
@@ -98,7 +100,7 @@ def llama_mlp(cfg: ModelConfig, pc: ParallelConfig, dtype, index: int) -> nnx.Mo
     if index in cfg.sparse_layers:
         return SparseMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                          cfg.norm_topk_prob, dtype, pc, shared_intermediate=cfg.shared_expert_intermediate_size)
-    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
+    return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc, cfg.hidden_act)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -106,7 +108,7 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(
-            cfg, dtype, LlamaAttention(cfg, pc, dtype), llama_mlp(cfg, pc, dtype, i)))
+            cfg, dtype, LlamaAttention(cfg, pc, dtype, i), llama_mlp(cfg, pc, dtype, i)))
 
 
 # -- the family: what config.json, the checkpoint and GGUF files say ----------------------

@@ -106,7 +106,7 @@ class Qwen3NextForCausalLM(CausalLM):
 
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         def make_layer(i: int) -> DecoderLayer:
-            mixer = GatedDeltaNet(cfg, pc, dtype) if cfg.is_linear(i) else LlamaAttention(cfg, pc, dtype)
+            mixer = GatedDeltaNet(cfg, pc, dtype) if cfg.is_linear(i) else LlamaAttention(cfg, pc, dtype, i)
             return DecoderLayer(cfg, dtype, mixer, llama_mlp(cfg, pc, dtype, i))
 
         super().__init__(cfg, pc, dtype, make_layer)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.models import deepseek, llama, qwen3_next
+from dcpjax.models import deepseek, gemma3, llama, qwen3_next
 from dcpjax.models.config import ModelConfig, register_architectures
 from dcpjax.models.family import GGUFArchitecture, ModelFamily
 from dcpjax.models.layers import padding_multiple, unsplittable_dims
@@ -24,6 +24,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
     deepseek.FAMILY,
     qwen3_next.FAMILY,
+    gemma3.FAMILY,
 )
 
 

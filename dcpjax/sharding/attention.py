@@ -255,9 +255,9 @@ def append_kv(
 
 # -- decode attention -----------------------------------------------------------
 @functools.cache
-def _decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, options: AttentionOptions):
+def _decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, options: AttentionOptions, window: int | None):
     def body(q, cache: KVCache, lengths):
-        out, lse = dcp_attention(q[:, None], cache, lengths[:, None], pc, options)
+        out, lse = dcp_attention(q[:, None], cache, lengths[:, None], pc, options, window=window)
         return out[:, 0].astype(q.dtype), lse[:, 0]
 
     fn = jax.shard_map(
@@ -280,6 +280,7 @@ def dcp_decode_attention(
     sm_scale: float | None = None,
     return_lse: bool = False,
     attention_backend: str = "auto",
+    sliding_window: int | None = None,
 ):
     """Decode attention of one new query per sequence over a DCP-sharded cache.
 
@@ -290,6 +291,8 @@ def dcp_decode_attention(
       sm_scale: softmax scale (default 1/sqrt(dk)).
       return_lse: also return the LSE.
       attention_backend: "auto" | "pallas" | "reference".
+      sliding_window: attend only to the last `sliding_window` positions (the new token's
+        included), as Gemma's and Mistral's sliding layers do; None: all of them.
     Returns:
       out [batch, q_heads, dv] in q's dtype, sharded over heads by ("tp", "dcp");
       with return_lse, also lse [batch, q_heads] float32 (natural log).
@@ -302,7 +305,11 @@ def dcp_decode_attention(
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (q.shape[0],):
         raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or int(sliding_window) != sliding_window
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive number of tokens or None, got {sliding_window!r}")
     options = AttentionOptions(None if sm_scale is None else float(sm_scale), attention_backend,
                                mesh.devices.flat[0].platform)
-    out, lse = _decode_fn(mesh, pc, RULES.kv_cache_spec(cache), options)(q, cache, lengths)
+    window = None if sliding_window is None else int(sliding_window)
+    out, lse = _decode_fn(mesh, pc, RULES.kv_cache_spec(cache), options, window)(q, cache, lengths)
     return (out, lse) if return_lse else out

@@ -31,8 +31,16 @@ def owned_slots(positions: jax.Array, block_tables: jax.Array, block_size: int, 
     return slots if valid is None else jnp.where(valid, slots, layout.PAD_SLOT)
 
 
+def window_starts(bounds: jax.Array, window: int | None) -> jax.Array | None:
+    """[B, T] causal bounds -> each query's first visible position under a sliding window of
+    `window` tokens (the query at p sees p - window + 1 .. p, as transformers' `i - W < j <= i`);
+    None without a window (it sees from position 0)."""
+    return None if window is None else jnp.maximum(bounds - window, 0)
+
+
 def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConfig,
-                  options: AttentionOptions, page_offsets: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                  options: AttentionOptions, page_offsets: jax.Array | None = None,
+                  window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Attention of this device's query heads over the DCP-split cache, merged exactly.
 
     Args:
@@ -42,6 +50,10 @@ def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConf
       options: scale, backend and the mesh's platform (picks the kernel).
       page_offsets: optional [B, T], packed rows: where each query's sequence's blocks begin in
         its row's table (its tokens on this rank are then [offset * block_size, + local length)).
+      window: a sliding window of this many positions (None: all of 0..bound-1). Each rank attends
+        to the positions it owns inside the window, so a rank that owns none of them gives the
+        merge's identity (out 0, lse -inf) and the merge stays exact; the kernels skip the pages
+        before a query's first visible token, so the blocks behind the window are never read.
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
@@ -49,10 +61,11 @@ def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConf
         q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
     rank = jax.lax.axis_index(DCP_AXIS)
     local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
-    starts = None
+    lowest = window_starts(bounds, window)
+    starts = None if lowest is None else layout.local_length(lowest, rank, pc.dcp, pc.interleave)
     if page_offsets is not None:
-        starts = page_offsets * kv.block_size
-        local = starts + local
+        offset = page_offsets * kv.block_size
+        local, starts = offset + local, offset + (0 if starts is None else starts)
     out, lse = attention(q, kv, local, options, starts)
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)

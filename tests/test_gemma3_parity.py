@@ -1,0 +1,70 @@
+"""The second real model: Gemma 3 270M (the Q4_K_M GGUF of the gemma3-270m packages) against transformers.
+
+transformers 5.25 reads the same GGUF with its own loader and runs it in float32;
+tests/fixtures/make_gemma3_fixtures.py wrote what it computed to fixtures/gemma3/expected.json.
+Prompts of 6, 16, 627 and 2,006 tokens: the last two reach past the 512-token sliding window of
+15 of its 18 layers, so the window (and, under DCP, each rank's part of it, merged by LSE) decides
+the answer. Greedy tokens must be identical, every step's top-5 logprobs and every prompt
+token's logprob within 1e-3, at TP 4 / DCP 4 (ag_rs, interleave 1) on every Python and at TP 1,
+TP 4 / DCP 2 (a2a, interleave 16) and TP 4 / DCP 1 on the newest jax (marker e2e). Prompt logprobs
+cost the LM head at every position (262,144 logits each): the first layout checks them on every
+prompt, the others up to the 627-token one (past the window already). For CI's time the 2,006-token
+prompt runs at TP 4 / DCP 4 and TP 1 only (each e2e layout takes about 2 minutes here).
+"""
+
+import json
+import os
+import pathlib
+
+import pytest
+
+import dcpjax
+from dcpjax.loader.model_source import builtin_gguf_path
+
+NAME = "gemma3-270m"
+EXPECTED = json.loads((pathlib.Path(__file__).parent / "fixtures" / "gemma3" / "expected.json").read_text())
+TOLERANCE = 1e-3
+LAYOUTS = [
+    pytest.param(dict(tensor_parallel_size=4, decode_context_parallel_size=4), id="tp4-dcp4-ag_rs-i1"),
+    pytest.param(dict(tensor_parallel_size=1), id="tp1", marks=pytest.mark.e2e),
+    pytest.param(dict(tensor_parallel_size=4, decode_context_parallel_size=2, dcp_comm_backend="a2a",
+                      cp_kv_cache_interleave_size=16, block_size=16), id="tp4-dcp2-a2a-i16", marks=pytest.mark.e2e),
+    pytest.param(dict(tensor_parallel_size=4), id="tp4-dcp1", marks=pytest.mark.e2e),
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return builtin_gguf_path(NAME)
+    except ValueError as error:
+        if os.environ.get("CI"):  # CI installs it (make test): never skip there
+            raise
+        pytest.skip(str(error))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_greedy_and_prompt_logprobs_match_transformers(gguf_path, layout, request):
+    longest_prompt_logprobs = 10**6 if request.node.callspec.id.startswith("tp4-dcp4") else 1000
+    # 256-token prefill chunks: prompt logprobs need every position's 262,144 logits
+    llm = dcpjax.LLM(NAME, max_model_len=2048, max_num_batched_tokens=256, kv_cache_memory_bytes=96 << 20,
+                     **layout)
+    cases = [case for case in EXPECTED["greedy"]
+             if len(case["prompt"]) <= 1000 or request.node.callspec.id.startswith(("tp4-dcp4", "tp1"))]
+    params = [dcpjax.SamplingParams(temperature=0, max_tokens=len(case["greedy"]), ignore_eos=True, logprobs=5,
+                                    prompt_logprobs=1 if len(case["prompt"]) <= longest_prompt_logprobs else None)
+              for case in cases]
+    outputs = llm.generate([{"prompt_token_ids": case["prompt"]} for case in cases], params, use_tqdm=False)
+    for case, output in zip(cases, outputs):
+        label = f"prompt of {len(case['prompt'])} tokens"
+        completion = output.outputs[0]
+        assert completion.token_ids == case["greedy"], label
+        for step, want in zip(completion.logprobs, case["top_logprobs"]):
+            for token, logprob in zip(want["ids"], want["logprobs"]):
+                assert step[token].logprob == pytest.approx(logprob, abs=TOLERANCE), label
+        if output.prompt_logprobs is None:
+            continue
+        got = [None if entry is None else entry[token].logprob
+               for entry, token in zip(output.prompt_logprobs, case["prompt"])]
+        assert got[0] is None and case["prompt_logprobs"][0] is None
+        assert got[1:] == pytest.approx(case["prompt_logprobs"][1:], abs=TOLERANCE), label
