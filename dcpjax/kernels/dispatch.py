@@ -59,7 +59,7 @@ def attention(q: jax.Array, kv: KVCache, bounds: jax.Array, options: AttentionOp
       bounds: [batch, T] int, each query's causal bound: query t sees tokens 0 .. bounds[b, t] - 1.
       options: scale, backend, platform (static).
       starts: optional [batch, T] int, each query's first visible token (packed rows: see
-        `dcpjax.kernels.common`); None: 0.
+        `dcpjax.kernels.common`; sliding windows: `sharding.local_ops.dcp_attention`); None: 0.
     Returns out [batch, T, q_heads, dv] in q's dtype and lse [batch, T, q_heads] float32
     (natural log; a query that sees nothing gives 0 and -inf).
     """

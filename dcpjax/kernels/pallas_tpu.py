@@ -145,7 +145,7 @@ def paged_attention_tpu(qg, bounds, starts, k, v, block_tables, k_scale=None, v_
     Args:
       qg: [batch, kv_heads, rows, dk] each KV head's (query, head) rows (`common.to_rows`), padded to a multiple of 8.
       bounds: [batch, rows] int32, each row's causal bound (0 for padding rows).
-      starts: [batch, rows] int32, each row's first visible token (0 unless rows are packed).
+      starts: [batch, rows] int32, each row's first visible token (0 unless packed or windowed).
       k: [kv_heads, num_blocks, block_size, dk]; v: [..., dv] or None (V = K[..., :dv]).
       block_tables: [batch, pages] int32.
       k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 cache, else None.

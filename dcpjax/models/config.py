@@ -198,6 +198,11 @@ class ModelConfig:
             )
         own = _FAMILY_FIELDS[architecture](architecture, config)  # the family's checks come first
         fields = _shared_fields(config) | own
+        if fields["hidden_act"] != "silu" and (fields.get("num_experts") or fields.get("kv_lora_rank")
+                                               or LINEAR_ATTENTION in fields.get("layer_types", ())):
+            # routed and shared experts, MLA's and the hybrid's MLPs apply silu whatever the config says
+            raise ValueError(f"hidden_act {fields['hidden_act']!r} is supported for dense models only (routed "
+                             "experts, MLA and hybrid models run silu)")
         if fields["hidden_act"] not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {fields['hidden_act']!r} is not supported "
                              f"(supported: {', '.join(HIDDEN_ACTS)})")

@@ -1,6 +1,6 @@
 """A model family's declaration: everything dcpjax knows about one family, in the family's module.
 
-Each family module (`llama.py`, `deepseek.py`, `qwen3_next.py`) ends with one `FAMILY =
+Each family module (`llama.py`, `deepseek.py`, `qwen3_next.py`, `gemma3.py`) ends with one `FAMILY =
 ModelFamily(...)`: the architectures (`config.json`'s "architectures") it builds, how it reads
 its own config fields, its checkpoint's tensor names and layouts, its model class, the GGUF
 architectures it reads and its built-in tiny models. `dcpjax.models.registry` lists the families;

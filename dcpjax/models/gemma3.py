@@ -30,6 +30,7 @@ from dcpjax.models.weight_rules import Rule, same
 from dcpjax.sharding.config import ParallelConfig
 
 LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base where a config does not say (transformers' default)
+GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B (softmax scale (hidden / heads) ** -0.5) by its layer count
 
 
 class GemmaForCausalLM(CausalLM):
@@ -60,27 +61,35 @@ def _layer_types(architecture: str, config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _ropes(config: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
-    """(full layers' RoPE, sliding layers' RoPE). Current transformers writes `rope_parameters`
-    keyed by layer type; published checkpoints `rope_theta` + `rope_scaling` (full layers) and
-    `rope_local_base_freq` (sliding layers, never scaled)."""
+def _ropes(architecture: str, config: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """(full layers' RoPE, sliding layers' RoPE or None: the same). Gemma 2 has one RoPE for every
+    layer. Gemma 3: current transformers writes `rope_parameters` keyed by layer type; published
+    checkpoints `rope_theta` + `rope_scaling` (full layers) and `rope_local_base_freq` (sliding
+    layers, never scaled)."""
+    if architecture == "Gemma2ForCausalLM":
+        return RopeConfig.from_hf(config), None
     params = config.get("rope_parameters")
     if isinstance(params, dict) and FULL_ATTENTION in params:
         full = RopeConfig.from_hf({**config, "rope_parameters": dict(params[FULL_ATTENTION])})
         local = params.get(SLIDING_ATTENTION) or {"rope_theta": LOCAL_ROPE_THETA}
         return full, RopeConfig.from_hf({**config, "rope_parameters": dict(local)})
     local_theta = config.get("rope_local_base_freq") or LOCAL_ROPE_THETA
-    return RopeConfig.from_hf(config), RopeConfig(theta=float(local_theta))
+    return RopeConfig.from_hf(config), RopeConfig.from_hf({**config, "rope_parameters": {"rope_theta": local_theta}})
 
 
 def gemma_config_fields(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     """Gemma's fields (transformers' defaults where a config leaves one out)."""
-    full, local = _ropes(config)
+    if config.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (Gemma's encoder variant) is not supported: dcpjax decodes "
+                         "causally")
+    full, local = _ropes(architecture, config)
     gemma2 = architecture == "Gemma2ForCausalLM"
+    types = _layer_types(architecture, config)
     return dict(
-        layer_types=_layer_types(architecture, config),
+        layer_types=types,
+        sliding_window=config.get("sliding_window") if SLIDING_ATTENTION in types else None,
         rope=full, local_rope=local,
-        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or config.get("head_dim") or 256),
+        query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or 256),  # transformers' default
         hidden_act=config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh",
         rms_norm_eps=config.get("rms_norm_eps", 1e-6),
         embed_scale=math.sqrt(config["hidden_size"]),
@@ -107,14 +116,20 @@ def gemma_checkpoint_rules(cfg: ModelConfig, pc: ParallelConfig) -> dict[str, Ru
 
 def gemma3_gguf_fields(meta: dict[str, Any], layers: int) -> dict[str, Any]:
     """What llama.cpp's `gemma3` GGUF leaves out and its loader hard-codes: the sliding layers'
-    RoPE base (10,000), every sixth layer full, query_pre_attn_scalar = head_dim (the 270M..12B
-    models; 27B's is hidden / heads, which the file cannot tell apart either), and `<end_of_turn>`
-    as a second end of generation."""
+    RoPE base (10,000), every sixth layer full (all full without a window), query_pre_attn_scalar
+    = head_dim, but hidden / heads for the 27B model (which llama.cpp knows by its 62 layers), and
+    `<end_of_turn>` as a second end of generation."""
     window = meta.get("gemma3.attention.sliding_window")
-    fields = {"rope_local_base_freq": LOCAL_ROPE_THETA, "sliding_window_pattern": 6,
-              "hidden_activation": "gelu_pytorch_tanh"}
+    hidden, heads = meta.get("gemma3.embedding_length"), meta.get("gemma3.attention.head_count")
+    head_dim = meta.get("gemma3.attention.key_length")
+    fields: dict[str, Any] = {"rope_local_base_freq": LOCAL_ROPE_THETA, "sliding_window_pattern": 6 if window else 1,
+                              "hidden_activation": "gelu_pytorch_tanh"}
     if window:
         fields["sliding_window"] = int(window)
+    if layers == GEMMA3_27B_LAYERS and hidden and isinstance(heads, int):
+        fields["query_pre_attn_scalar"] = int(hidden) // heads
+    elif head_dim:
+        fields["query_pre_attn_scalar"] = int(head_dim)
     tokens = meta.get("tokenizer.ggml.tokens") or []
     if "<end_of_turn>" in tokens and meta.get("tokenizer.ggml.eos_token_id") is not None:
         # a turn ends generation too (Google's generation_config: [1, 106]; llama.cpp's end-of-generation set)

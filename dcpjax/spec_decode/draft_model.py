@@ -138,7 +138,7 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
     cfg.check_max_model_len(max_model_len)
     if cfg.is_hybrid:  # its state would run on past rejected drafts, and it has no state slots
         raise ValueError(f"speculative_config model {model!r} is a hybrid ({cfg.architecture}): a draft model "
-                         "must keep only a KV cache; pick a Llama / Qwen / DeepSeek-family draft")
+                         "must keep only a KV cache; pick a Llama / Qwen / DeepSeek / Gemma-family draft")
     try:
         loaded = load_model(cfg, pc, mesh, dtype, source.weights, is_gguf=source.is_gguf,
                             checkpoint=source.checkpoint_quantization, label="Draft model")
