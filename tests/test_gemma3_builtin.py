@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import pathlib
+import subprocess
 import sys
 import tomllib
 import types
@@ -91,8 +92,10 @@ def test_the_extra_and_make_test_install_the_same_wheels():
     pins = [f"{d}=={spec.version}" for d in spec.distributions]
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras[spec.extra] == pins
-    make = __import__("subprocess").run(["make", "-n", "-B", "-C", str(ROOT), ".venv/.installed-test"],
-                                        capture_output=True, text=True, check=True).stdout
+    # a clean environment: under `make test VENV=...` the parent's MAKEFLAGS would pass its VENV down
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    make = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "VENV=.venv-probe", ".venv-probe/.installed-test"],
+                          capture_output=True, text=True, check=True, env=env).stdout
     assert f"--no-deps {' '.join(pins)}" in make
 
 
