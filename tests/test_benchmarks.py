@@ -33,6 +33,7 @@ def test_attention_benchmark_smoke(comm, collective):
         assert (collective in cells[-3]) == (cells[2] != "1"), row
 
 
+@pytest.mark.e2e  # slow: one Python (marker docs in pyproject.toml)
 def test_gpu_check_dry_run_on_cpu():
     out = _run("benchmarks/gpu_check.py", "--cpu-smoke")
     assert sum("PASS" in line for line in out.splitlines() if line.startswith("|")) == 4
@@ -126,6 +127,7 @@ def test_prefill_kv_reads_count():
     assert before_one == now_one  # decode: nothing to share
 
 
+@pytest.mark.oldest_jax  # slow: one Python (marker docs in pyproject.toml)
 def test_roofline_check_smoke():
     out = _run("benchmarks/roofline_check.py", "--contexts", "128", "--batch", "1", "--steps", "3", "--dcp", "1", "2")
     assert "measured CPU preset" in out

@@ -202,8 +202,12 @@ def test_a_gone_decode_server_is_a_503_and_the_producer_frees_the_kv():
         assert metric(p.base_url, "kv_transfer_held_requests") == 0
 
 
-@pytest.mark.parametrize("connector", ["SocketConnector", "JaxTransferConnector"])
-@pytest.mark.parametrize("fail_count, ok", [(1, True), (2, False)])
+# both cuts through both connectors, split between CI's Pythons (each runs both cuts, and each connector once)
+@pytest.mark.parametrize("fail_count, ok, connector", [
+    (1, True, "SocketConnector"), (2, False, "JaxTransferConnector"),
+    pytest.param(1, True, "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+    pytest.param(2, False, "SocketConnector", marks=pytest.mark.e2e),
+])
 def test_a_transfer_cut_mid_way_is_retried_once(fail_count, ok, connector):
     """Cut once: the retry brings it. Cut twice: the decode server computes the prompt itself (vLLM's
     kv_load_failure_policy "recompute"): the client gets the same answer, later."""
@@ -226,7 +230,8 @@ def test_a_transfer_cut_mid_way_is_retried_once(fail_count, ok, connector):
                           == metric(d.base_url, "kv_cache_usage_perc"))
 
 
-@pytest.mark.parametrize("connector", ["SocketConnector", "JaxTransferConnector"])
+@pytest.mark.parametrize("connector", ["SocketConnector",
+                                       pytest.param("JaxTransferConnector", marks=pytest.mark.oldest_jax)])
 def test_a_producer_gone_mid_pull_leaves_the_decode_server_whole(connector):
     """The producer stalls mid-pull and is then killed: the decode server's pull fails within its
     transfer_timeout (no hang), it computes the prompt itself, answers as alone, and holds nothing."""
@@ -277,10 +282,19 @@ def moved_tokens(n: int, prefill: list[str], connector: str) -> int:
     return (1 << max(0, blocks - 1).bit_length()) * 16 * dcp
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize("case, connector", [(case, "SocketConnector") for case in LAYOUTS] + [
-    ("smollm2 TP 3 -> TP 9 / DCP 3", "JaxTransferConnector"),
-    ("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "JaxTransferConnector")])
+# slow (a server pair and a router each): on one Python each, the newest jax (e2e) or the oldest, each
+# connector on both
+ROUTER_CASES = [
+    pytest.param("smollm2 TP 3 -> TP 9 / DCP 3", "SocketConnector", marks=pytest.mark.e2e),
+    pytest.param("smollm2 TP 9 / DCP 3 I16 -> TP 9", "SocketConnector", marks=pytest.mark.e2e),
+    pytest.param("deepseek-v3 TP 2 -> TP 8 / DCP 8", "SocketConnector", marks=pytest.mark.e2e),
+    pytest.param("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "SocketConnector", marks=pytest.mark.oldest_jax),
+    pytest.param("smollm2 TP 3 -> TP 9 / DCP 3", "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+    pytest.param("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "JaxTransferConnector", marks=pytest.mark.e2e),
+]
+
+
+@pytest.mark.parametrize("case, connector", ROUTER_CASES)
 def test_each_model_family_through_the_router(case, connector):
     """Greedy tokens through the router equal the decode server alone (a single engine at the consumer's
     layout), their logprobs within 1e-4, for prompts around a block (16), an interleave run (16 or 4)

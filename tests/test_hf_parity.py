@@ -47,20 +47,31 @@ HYBRID_CASES = [
     (8, 4, 1, "ag_rs", "reference"),
     (8, 4, 2, "a2a", "pallas"),
 ]
-# Cases other cases of the model already cover on every Python (both backends, interleave 1 and > 1,
-# both kernels) run on the newest jax only (marker e2e, as CI's older Python leaves them out):
-# Qwen3 / Qwen3-MoE (Llama's attention plus q/k norms or experts; llama3-rope runs every layout on
-# both) keep four of the nine; the hybrid keeps (1, 1) and (8, 4) a2a / interleave 2 / Pallas.
+# Cases other cases of the model already cover (both backends, interleave 1 and > 1, both merges) run on one
+# Python only, split between the two: the newest jax (marker e2e, as CI's older Python leaves them out) or the
+# oldest (marker oldest_jax, as CI's newer Python leaves them out). Every family keeps TP 1 or a DCP case of
+# each kernel on both.
 NEWEST_JAX_ONLY = {
-    "qwen3": {CASES[1], CASES[3], CASES[4], CASES[5]},
-    "qwen3-moe": {CASES[1], CASES[3], CASES[4], CASES[5]},
-    "qwen3-next": set(HYBRID_CASES[1:4]),
+    "llama3-rope": {CASES[2], CASES[4], CASES[6]},
+    "qwen3": {CASES[1], CASES[3], CASES[4], CASES[5], CASES[6]},
+    "qwen3-moe": {CASES[1], CASES[3], CASES[4], CASES[5], CASES[6]},
+    "qwen3-next": set(HYBRID_CASES[2:5]),
+    "deepseek-v3": {MLA_CASES[2], MLA_CASES[3], MLA_CASES[6]},
+}
+OLDEST_JAX_ONLY = {
+    "llama3-rope": {CASES[1], CASES[3], CASES[7]},
+    "qwen3": {CASES[2], CASES[7]},
+    "qwen3-moe": {CASES[2], CASES[8]},
+    "qwen3-next": set(HYBRID_CASES[0:2]),
+    "deepseek-v3": {MLA_CASES[1], MLA_CASES[4]},
 }
 
 
 def _case(name: str, case: tuple):
     if case in NEWEST_JAX_ONLY.get(name, ()):
         return pytest.param(name, *case, marks=pytest.mark.e2e)
+    if case in OLDEST_JAX_ONLY.get(name, ()):
+        return pytest.param(name, *case, marks=pytest.mark.oldest_jax)
     return (name, *case)
 
 
@@ -74,6 +85,8 @@ FP8_CASES = {
 }
 NEWEST_JAX_ONLY |= {"deepseek-v3-fp8": {(8, 4, 1, "ag_rs", "pallas"), (4, 2, 2, "a2a", "pallas")},
                     "qwen3-moe-fp8": {(4, 2, 1, "ag_rs", "pallas")}}
+OLDEST_JAX_ONLY |= {"deepseek-v3-fp8": {(8, 8, 2, "a2a", "reference")},
+                    "qwen3-moe-fp8": {(8, 4, 2, "a2a", "reference")}}
 
 # Gemma 3 (sliding window 8 on four of six layers, the full ones mid-stack and last; 8 query heads / 1 KV head:
 # DCP up to TP; final-logit soft-cap; linear RoPE on the full layers only) and Gemma 2 (attention soft-cap in
@@ -84,13 +97,18 @@ GEMMA_CASES = {
     "gemma2": [(1, 1, 1, "ag_rs", "reference"), (8, 4, 1, "a2a", "reference"), (4, 2, 2, "ag_rs", "pallas")],
 }
 NEWEST_JAX_ONLY |= {"gemma3-tiny": {(8, 4, 2, "a2a", "reference"), (8, 2, 4, "ag_rs", "pallas")}}
+OLDEST_JAX_ONLY |= {"gemma3-tiny": {(1, 1, 1, "ag_rs", "reference"), (8, 8, 1, "ag_rs", "reference")},
+                    "gemma2": {(8, 4, 1, "a2a", "reference")}}
+NEWEST_JAX_ONLY |= {"gemma2": {(1, 1, 1, "ag_rs", "reference")}}
 
 PARAMS = (
     [_case(name, case) for name, cases in GEMMA_CASES.items() for case in cases]
     + [_case(name, case) for name in ("llama3-rope", "qwen3", "qwen3-moe") for case in CASES]
     + [_case("qwen3-next", case) for case in HYBRID_CASES]
-    + [("qwen2", *case) for case in (CASES[0], CASES[6], CASES[7])]  # q/k/v bias, linear RoPE, tied embeddings
-    + [("deepseek-v3", *case) for case in MLA_CASES]
+    # q/k/v bias, linear RoPE, tied embeddings (in every case)
+    + [("qwen2", *CASES[0]), pytest.param("qwen2", *CASES[6], marks=pytest.mark.oldest_jax),
+       pytest.param("qwen2", *CASES[7], marks=pytest.mark.e2e)]
+    + [_case("deepseek-v3", case) for case in MLA_CASES]
     + [_case(name, case) for name, cases in FP8_CASES.items() for case in cases]
 )
 
@@ -105,7 +123,10 @@ EP_CASES = {
     "deepseek-v3-fp8": [(8, 8, 2, "a2a", "reference")],
     "qwen3-moe-fp8": [(8, 4, 1, "ag_rs", "pallas")],
 }
-EP_PARAMS = [pytest.param(name, *case, marks=[pytest.mark.e2e] if i else [])
+# the first case of the hybrid's and deepseek-v3-fp8's on the oldest jax only (their other cases run on the newest)
+EP_FIRST_ON_OLDEST_ONLY = {"qwen3-next", "deepseek-v3-fp8"}
+EP_PARAMS = [pytest.param(name, *case, marks=[pytest.mark.e2e] if i else
+                          [pytest.mark.oldest_jax] if name in EP_FIRST_ON_OLDEST_ONLY else [])
              for name, cases in EP_CASES.items() for i, case in enumerate(cases)]
 
 
@@ -141,7 +162,7 @@ def check_against_transformers(name, tp, dcp, interleave, comm, backend, **engin
 
 @pytest.mark.parametrize("name, tp, dcp, interleave, comm", [
     ("qwen2", 1, 1, 1, "ag_rs"),
-    ("qwen3-next", 8, 2, 2, "ag_rs"),
+    pytest.param("qwen3-next", 8, 2, 2, "ag_rs", marks=pytest.mark.oldest_jax),
     ("llama3-rope", 8, 2, 4, "ag_rs"),
     ("qwen3", 4, 2, 2, "a2a"),
     ("deepseek-v3", 8, 8, 2, "a2a"),

@@ -66,8 +66,7 @@ def _check_equal(outputs, expected):
             assert abs(mine[token].logprob - theirs[token].logprob) <= (5e-5 if i == 0 else 1e-5), (i, mine, theirs)
 
 
-@pytest.mark.parametrize("connector", ["SocketConnector", "JaxTransferConnector"])
-@pytest.mark.parametrize("producer, consumer", [
+PAIRS = [
     (dict(tensor_parallel_size=2), dict(tensor_parallel_size=8, decode_context_parallel_size=4,
                                         cp_kv_cache_interleave_size=2, block_size=8)),
     (dict(tensor_parallel_size=8, decode_context_parallel_size=4, cp_kv_cache_interleave_size=4),
@@ -75,7 +74,20 @@ def _check_equal(outputs, expected):
     # fp8 KV moves as stored (values and per-token scales): the consumer holds what its own prefill would have
     (dict(tensor_parallel_size=4, decode_context_parallel_size=2, kv_cache_dtype="fp8"),
      dict(tensor_parallel_size=8, decode_context_parallel_size=4, block_size=32, kv_cache_dtype="fp8")),
-])
+]
+# every pair through both connectors, split between CI's Pythons: each runs one connector per pair on
+# both, the other on one Python only (the connectors' own tests run on both)
+PAIR_PARAMS = [
+    pytest.param(*PAIRS[0], "SocketConnector"),
+    pytest.param(*PAIRS[0], "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+    pytest.param(*PAIRS[1], "SocketConnector", marks=pytest.mark.e2e),
+    pytest.param(*PAIRS[1], "JaxTransferConnector"),
+    pytest.param(*PAIRS[2], "SocketConnector"),
+    pytest.param(*PAIRS[2], "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+]
+
+
+@pytest.mark.parametrize("producer, consumer, connector", PAIR_PARAMS)
 def test_tokens_equal_one_engine_at_the_consumers_layout(producer, consumer, connector):
     p, d, alone = _engines("tiny-llama", producer, consumer, connector)
     prompts = _prompts(p.vocab_size)
@@ -107,9 +119,11 @@ def analytic_bytes(llm, num_tokens: int) -> int:
 
 @pytest.mark.parametrize("model, producer, consumer", [
     ("deepseek-v3", dict(tensor_parallel_size=2), dict(tensor_parallel_size=8, decode_context_parallel_size=8)),
-    # the hybrid: its linear layers' state rows move with the full-attention layers' KV
-    ("qwen3-next", dict(tensor_parallel_size=2), dict(tensor_parallel_size=8, decode_context_parallel_size=2,
-                                                      cp_kv_cache_interleave_size=4)),
+    # the hybrid: its linear layers' state rows move with the full-attention layers' KV (oldest jax only: its
+    # pair through the router runs on the newest, test_disaggregated_serving.py)
+    pytest.param("qwen3-next", dict(tensor_parallel_size=2),
+                 dict(tensor_parallel_size=8, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4),
+                 marks=pytest.mark.oldest_jax),
 ])
 def test_mla_and_hybrid_models(model, producer, consumer):
     p, d, alone = _engines(str(FIXTURES / model), producer, consumer)
@@ -224,7 +238,8 @@ def test_a_handle_layout_round_trips_and_names_what_differs():
 
 
 # -- the consumer's pages: what its own prefill writes --------------------------------------------
-@pytest.mark.parametrize("sent, kept", [("auto", "auto"), ("fp8", "fp8"), ("auto", "fp8")])
+@pytest.mark.parametrize("sent, kept", [("auto", "auto"), pytest.param("fp8", "fp8", marks=pytest.mark.oldest_jax),
+                                        pytest.param("auto", "fp8", marks=pytest.mark.e2e)])  # fp8: one Python each
 def test_loaded_pages_equal_the_consumers_own_prefill(sent, kept):
     """A prompt loaded from a TP 8 producer into a TP 8 / DCP 4 (interleave 2) consumer: page for page,
     the consumer's pools hold what its own prefill of that prompt writes (the first layer exactly: its

@@ -28,11 +28,12 @@ def make(model="tiny-llama", tp=8, dcp=1, **kw):
 
 
 # each model: both merge backends, interleave 1 and > 1, and the largest DCP its KV heads allow
-# (test_hf_parity proves more layouts against transformers, on every Python; GQA's cases here run in the e2e set)
+# (test_hf_parity proves more layouts against transformers, on every Python; GQA's cases here run on the newest
+# jax, MLA's on the oldest)
 @pytest.mark.parametrize("model, layouts", [
     pytest.param("tiny-llama", ((2, "ag_rs", 1), (4, "a2a", 4)), marks=pytest.mark.e2e),
     pytest.param("tiny-qwen3", ((8, "ag_rs", 1), (8, "a2a", 4)), marks=pytest.mark.e2e),
-    ("tiny-deepseek", ((2, "a2a", 4), (8, "ag_rs", 1))),
+    pytest.param("tiny-deepseek", ((2, "a2a", 4), (8, "ag_rs", 1)), marks=pytest.mark.oldest_jax),
 ])
 def test_dcp_k_equals_dcp_1(model, layouts):
     base = make(model, dcp=1).generate(PROMPTS, GREEDY)
@@ -272,7 +273,8 @@ def test_checkpoint_problems_are_named():
     load(good | {"model.layers.0.self_attn.rotary_emb.inv_freq": np.zeros(8), "mtp.fc.weight": np.zeros(3)})
 
 
-@pytest.mark.parametrize("model, dcp", [pytest.param("tiny-llama", 4, marks=pytest.mark.e2e), ("tiny-deepseek", 8)])
+@pytest.mark.parametrize("model, dcp", [pytest.param("tiny-llama", 4, marks=pytest.mark.e2e),
+                                        pytest.param("tiny-deepseek", 8, marks=pytest.mark.oldest_jax)])
 def test_fp8_kv_cache(model, dcp):
     """fp8 quantises each token on its own, so DCP k gives exactly DCP 1's tokens; the cache
     holds more tokens than a float32 one in the same bytes."""

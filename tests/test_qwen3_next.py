@@ -54,6 +54,7 @@ def _bytes_for_blocks(blocks: int) -> int:
     return blocks * per_block + 64 * cfg.linear_state_bytes(4)
 
 
+@pytest.mark.e2e  # slow; the oldest jax proves the slot state by preemption and n sequences
 def test_an_abort_mid_sequence_leaves_its_slot_clean_for_the_next():
     llm = make(max_num_seqs=2)
     engine = llm.engine
@@ -127,6 +128,7 @@ def test_linear_heads_must_split_over_tp():
     assert layout_problems(cfg, dcpjax.ParallelConfig(4, 2)) == []
 
 
+@pytest.mark.oldest_jax  # slow; the newest jax proves the slot state by preemption and an abort
 def test_sampled_and_n_sequences_each_keep_their_own_state():
     """n = 3 sampled completions of one prompt, seeded: each reproduces alone (its own slot's state)."""
     llm = make()

@@ -111,13 +111,14 @@ def test_tokenizer_and_chat_template_match_transformers(gguf_path):
 
 
 # -- in this process: TP 1 and TP 3 ---------------------------------------------------------------
-@pytest.fixture(scope="module", params=[1, 3], ids=["tp1", "tp3"])
+# slow (the real model): TP 1 on the oldest jax only, TP 3 on the newest only
+@pytest.fixture(scope="module", params=[pytest.param(1, marks=pytest.mark.oldest_jax),
+                                        pytest.param(3, marks=pytest.mark.e2e)], ids=["tp1", "tp3"])
 def llm(request, gguf_path):
     return dcpjax.LLM(NAME, tensor_parallel_size=request.param, max_model_len=1024, max_num_seqs=8,
                       max_num_batched_tokens=512, kv_cache_memory_bytes=KV_BYTES)
 
 
-@pytest.mark.e2e
 def test_greedy_tokens_and_logprobs(llm):
     requests = greedy_requests()
     outputs = llm.generate([{"prompt_token_ids": r["prompt_token_ids"]} for r in requests],
@@ -128,7 +129,6 @@ def test_greedy_tokens_and_logprobs(llm):
     assert text.prompt_token_ids == EXPECTED["greedy"][0]["prompt"]
 
 
-@pytest.mark.e2e
 def test_prompt_logprobs(llm):
     out = llm.generate({"prompt_token_ids": EXPECTED["prompt_logprobs"]["prompt"]},
                        dcpjax.SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
@@ -136,7 +136,6 @@ def test_prompt_logprobs(llm):
                                                                               out.prompt_token_ids)])
 
 
-@pytest.mark.e2e
 def test_chat_reply(llm):
     chat = EXPECTED["chat"]
     out = llm.chat(chat["messages"], dcpjax.SamplingParams(temperature=0, max_tokens=32))[0]
@@ -166,7 +165,7 @@ def test_held_quantized_at_under_a_third_of_float32(gguf_path):
     assert dcpjax.LLM(NAME, max_model_len=1024, kv_cache_memory_bytes=KV_BYTES).weight_bytes_per_device == float32
 
 
-@pytest.mark.e2e
+@pytest.mark.oldest_jax
 def test_held_quantized_matches_transformers(gguf_path):
     llm = dcpjax.LLM(NAME, tensor_parallel_size=3, quantization="gguf", max_model_len=1024, max_num_seqs=8,
                      max_num_batched_tokens=512, kv_cache_memory_bytes=KV_BYTES)

@@ -9,6 +9,8 @@ registers them with the config reader, and `dcpjax.models` imports it first, so
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -78,7 +80,16 @@ def layout_problems(cfg: ModelConfig, pc: ParallelConfig, state: nnx.State | Non
     broken = pc.model_rule_violations(cfg.num_attention_heads, cfg.num_key_value_heads, use_mla=cfg.use_mla)
     if broken:
         return broken
-    return unsplittable_dims(state if state is not None else _abstract_model(cfg, pc, jnp.float32)[1], pc)
+    if state is None:
+        return list(_abstract_layout_problems(cfg, pc))
+    return unsplittable_dims(state, pc)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_layout_problems(cfg: ModelConfig, pc: ParallelConfig) -> tuple[str, ...]:
+    """`unsplittable_dims` of the abstract model, kept per (config, layout): the planner asks for the same
+    layouts many times (a large MoE's abstract model takes seconds to build)."""
+    return tuple(unsplittable_dims(_abstract_model(cfg, pc, jnp.float32)[1], pc))
 
 
 def build_model(cfg: ModelConfig, pc: ParallelConfig, dtype, pad_multiple: int = 1) -> tuple[nnx.GraphDef,

@@ -11,6 +11,7 @@ layout the runner allocates. Nothing is typed in.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 from collections.abc import Iterable
@@ -126,6 +127,7 @@ def kv_dtype(name: str) -> jnp.dtype:
     return jnp.dtype("float8_e4m3fn" if name == "fp8" else name)
 
 
+@functools.lru_cache(maxsize=64)  # a plan asks for the same layouts many times; each builds the abstract model
 def weight_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, weight_dtype) -> int:
     """Bytes of weights per device, as the engine holds them (`loader.model_loader.planned_weight_bytes`,
     the count the engine logs): "float8_e4m3fn" is fp8 block-scaled weights (`quantization="fp8"`:
