@@ -8,26 +8,15 @@ LSE, its 3 full layers to all 16,001; one KV head, so each of the 4 devices hold
 """
 
 import json
-import os
 import pathlib
 
 import pytest
 
 import dcpjax
-from dcpjax.loader.model_source import builtin_gguf_path
 
 NAME = "gemma3-270m"
 LONG = json.loads((pathlib.Path(__file__).parent / "fixtures" / "gemma3" / "long.json").read_text())
 
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return builtin_gguf_path(NAME)
-    except ValueError as error:
-        if os.environ.get("CI"):  # CI installs it (make test): never skip there
-            raise
-        pytest.skip(str(error))
 
 
 @pytest.mark.e2e  # minutes on CI's CPU

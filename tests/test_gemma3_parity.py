@@ -14,13 +14,11 @@ time the 2,006-token prompt does not run at TP 4 / DCP 1 (each layout takes abou
 """
 
 import json
-import os
 import pathlib
 
 import pytest
 
 import dcpjax
-from dcpjax.loader.model_source import builtin_gguf_path
 
 NAME = "gemma3-270m"
 EXPECTED = json.loads((pathlib.Path(__file__).parent / "fixtures" / "gemma3" / "expected.json").read_text())
@@ -34,15 +32,6 @@ LAYOUTS = [
     pytest.param(dict(tensor_parallel_size=4), id="tp4-dcp1", marks=pytest.mark.oldest_jax),
 ]
 
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return builtin_gguf_path(NAME)
-    except ValueError as error:
-        if os.environ.get("CI"):  # CI installs it (make test): never skip there
-            raise
-        pytest.skip(str(error))
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -9,7 +9,6 @@ process of its own): DCP 3 with ag_rs at interleave 1 and a2a at interleave 16, 
 backends and both interleaves; `python benchmarks/smollm2_layouts.py` runs all four DCP 3 combinations.
 """
 
-import os
 import pathlib
 import sys
 
@@ -19,7 +18,7 @@ import pytest
 
 import dcpjax
 from dcpjax.loader.model_loader import planned_weight_bytes
-from dcpjax.loader.model_source import builtin_gguf_path, load_model_config
+from dcpjax.loader.model_source import load_model_config
 from dcpjax.sharding.config import ParallelConfig
 
 NAME = "smollm2-135m-instruct"
@@ -34,15 +33,6 @@ assert DCP_LAYOUTS[2]["dcp_comm_backend"] == "a2a" and DCP_LAYOUTS[2]["cp_kv_cac
 LOGPROB_TOLERANCE = 1e-4
 KV_BYTES = 96 << 20  # per device, equal for every layout: DCP 3 must hold 3x the tokens of DCP 1
 
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return builtin_gguf_path(NAME)
-    except ValueError as error:
-        if os.environ.get("CI"):  # CI installs it (make test): never skip there
-            raise
-        pytest.skip(str(error))
 
 
 def greedy_requests():
