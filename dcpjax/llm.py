@@ -23,6 +23,7 @@ from dcpjax.loader.model_loader import LoadedModel, load_model
 from dcpjax.loader.model_source import ModelSource, generation_defaults, model_source
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.gated_delta import CHUNK as GATED_DELTA_CHUNK
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.outputs import RequestOutput
 from dcpjax.runner import precompile
 from dcpjax.runner.compile_watch import compile_watch, resolve_compilation_cache_dir, use_compilation_cache
@@ -241,7 +242,8 @@ class LLM:
             blocks_per_seq=layout.blocks_needed(self.max_model_len, config.block_size, pc.dcp),
             block_size=config.block_size, dcp=pc.dcp, whole_table=reads_only_visible_pages(options, kv.block_size),
             num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
-            packed_align=GATED_DELTA_CHUNK if self.model_config.is_hybrid else 1)
+            packed_align=GATED_DELTA_CHUNK if self.model_config.is_hybrid else 1,
+            kv_groups=KVCacheGroups.of(self.model_config).num_groups)
 
     def _start_engine(self, kv, proposer) -> None:
         """The engine over the runner, and the request builder in front of it."""
@@ -277,13 +279,12 @@ class LLM:
         """The KV cache layout for the configured bytes per device (`runner.kv_budget.size_kv_cache`);
         keeps its size (`kv_cache_size_tokens`) and the budget it was cut from."""
         config = self.config
-        kv, self.kv_cache_memory_bytes = size_kv_cache(
+        kv, self.kv_cache_memory_bytes, self.kv_cache_size_tokens = size_kv_cache(
             self.model_config, self.parallel_config, self.mesh, max_model_len=self.max_model_len,
             block_size=config.block_size, max_num_seqs=config.max_num_seqs, dtype=cache_dtype,
             requested=config.kv_cache_memory_bytes, utilization=config.gpu_memory_utilization,
             draft_bytes_per_block=draft.bytes_per_block(self.parallel_config, config.block_size, cache_dtype)
-            if draft else 0)
-        self.kv_cache_size_tokens = kv.num_blocks * config.block_size * self.parallel_config.dcp
+            if draft else 0, max_num_batched_tokens=config.max_num_batched_tokens)
         return kv
 
     def reset_prefix_cache(self) -> bool:
@@ -299,6 +300,8 @@ class LLM:
     async_scheduling = property(lambda self: self.engine.async_scheduling)
     compiled_step_count = property(lambda self: self.runner.compiled_step_count)  # model + sampler calls compiled
     kv_connector = property(lambda self: self.engine.kv_connector)  # prefill/decode disaggregation (None: off)
+    kv_cache_info = property(lambda self: {"kv_cache_size_tokens": self.kv_cache_size_tokens,
+                                           **self.runner.kv_cache_info()})  # as built: tokens, blocks, groups, bytes
 
     def weight_bytes_by_device(self) -> dict[jax.Device, int]:
         """Bytes of model weights held on each of this process's devices."""

@@ -51,12 +51,13 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str | None = None
     # scheduler state
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[list[int]] = dataclasses.field(default_factory=list)  # per KV cache group, all one length
     slot: int | None = None  # row of the device-side token buffer while running
     num_computed: int = 0  # tokens whose KV is in the cache (or written by the step in flight)
     num_pending: int = 0  # sampled on the device, not yet read by the host
     num_cached_tokens: int | None = None  # prompt tokens found in the prefix cache at first admission
     num_hashed_blocks: int = 0  # leading blocks registered in (or taken from) the prefix cache
+    sliding_cache_from: int = 0  # a loaded prompt: its sliding groups' blocks before this are not registered
     prefix_key: int = 0  # key id the next full block chains to (`block_pool.ROOT` at the start)
     # output processor state
     detokenizer: object | None = dataclasses.field(default=None, repr=False)
@@ -153,10 +154,11 @@ def new_request_data(seq: Sequence) -> NewRequestData:
 def scheduled_call(rows: Seq[ScheduledRow], block_tables: np.ndarray, *, greedy: bool = False,
                    finished_request_ids: Collection[str] = ()) -> ScheduledCall:
     """A model call's rows as the runner's message: their requests' block-table rows copied out of the
-    scheduler's `block_tables` [slots, blocks_per_seq] (one gather, read-only), the rows admitted since
+    scheduler's `block_tables` [slots, groups, blocks_per_seq] (one gather, read-only), the rows admitted since
     the runner last saw their requests as `NewRequestData`."""
     slots = np.fromiter((row.seq.slot for row in rows), np.int32, len(rows))
-    tables = block_tables[slots, : max((len(row.seq.blocks) for row in rows), default=0)]  # fancy indexing: a copy
+    width = max((len(row.seq.blocks[0]) if row.seq.blocks else 0 for row in rows), default=0)
+    tables = block_tables[slots, :, :width]  # fancy indexing: a copy
     tables.flags.writeable = False
     return ScheduledCall(tuple(row.chunk() for row in rows), tables,
                          tuple(new_request_data(row.seq) for row in rows if row.admitted),

@@ -40,10 +40,10 @@ def test_abort_frees_blocks_at_once():
     for _ in range(3):
         engine.step()
     used = engine.scheduler.allocator.num_blocks - engine.scheduler.allocator.num_free
-    assert drop.blocks and used == len(keep.blocks) + len(drop.blocks)
+    assert drop.blocks and used == len(keep.blocks[0]) + len(drop.blocks[0])
     assert engine.abort(drop.request_id)
     assert drop.finish_reason == "abort" and drop.blocks == []
-    assert engine.scheduler.allocator.num_blocks - engine.scheduler.allocator.num_free == len(keep.blocks)
+    assert engine.scheduler.allocator.num_blocks - engine.scheduler.allocator.num_free == len(keep.blocks[0])
     assert not engine.abort("no-such-request")
     while engine.has_work():
         engine.step()

@@ -124,6 +124,11 @@ def analytic_bytes(llm, num_tokens: int) -> int:
     pytest.param("qwen3-next", dict(tensor_parallel_size=2),
                  dict(tensor_parallel_size=8, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4),
                  marks=pytest.mark.oldest_jax),
+    # sliding windows of 8 (`models.kv_groups`): each side frees the blocks behind them, by its own virtual
+    # block (16 and 32 positions): the producer sends the null block where its windows moved on, the consumer
+    # drops what lands behind its own
+    ("gemma3-tiny", dict(tensor_parallel_size=2),
+     dict(tensor_parallel_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)),
 ])
 def test_mla_and_hybrid_models(model, producer, consumer):
     p, d, alone = _engines(str(FIXTURES / model), producer, consumer)
@@ -136,6 +141,8 @@ def test_mla_and_hybrid_models(model, producer, consumer):
     n = len(prompts[-1]["prompt_token_ids"])
     assert handles[-1].kv_transfer_params["transfer_bytes"] == analytic_bytes(p, n)
     assert d.engine.kv_connector.stats.outcomes == {"received": len(prompts)}
+    if model == "gemma3-tiny":
+        assert p.engine.scheduler.num_dead_blocks_freed > 0 and d.engine.scheduler.num_dead_blocks_freed > 0
 
 
 def test_a_first_token_that_ends_the_request_pulls_nothing():

@@ -7,6 +7,7 @@ import pytest
 from dcpjax import LLM, SamplingParams
 from dcpjax.engine.block_pool import BlockPool
 from dcpjax.kernels.oracle import assert_same_generations
+from dcpjax.models.kv_groups import NULL_BLOCK
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
 
@@ -17,37 +18,37 @@ def test_chained_keys_find_only_the_same_prefix():
     a = pool.allocate(3)
     key = 0
     for j, block in enumerate(a):
-        key = pool.register(block, key, list(range(4 * j, 4 * j + 4)))
+        key = pool.register([block], key, list(range(4 * j, 4 * j + 4)))
     tokens = list(range(12)) + [99]
-    assert pool.lookup(tokens, len(tokens) - 1)[0] == a
-    assert pool.lookup(tokens, 11)[0] == a[:2]  # whole blocks within the limit only
+    assert pool.lookup(tokens, len(tokens) - 1)[0] == [a]
+    assert pool.lookup(tokens, 11)[0] == [a[:2]]  # whole blocks within the limit only
     changed = list(range(12))
     changed[5] = 77  # the second block differs: the third cannot match either, whatever it holds
-    assert pool.lookup(changed + [1], 12)[0] == a[:1]
-    assert pool.lookup(list(range(4, 16)), 12)[0] == []  # the same tokens at other positions: no hit
+    assert pool.lookup(changed + [1], 12)[0] == [a[:1]]
+    assert pool.lookup(list(range(4, 16)), 12)[0] == [[]]  # the same tokens at other positions: no hit
 
 
 def test_colliding_hashes_never_give_a_false_hit(monkeypatch):
     """Every key hashes alike: the dict must compare the token ids themselves."""
 
-    class Colliding(tuple):
+    class Colliding(bytes):
         def __hash__(self):
             return 0
 
     original = BlockPool._key
-    monkeypatch.setattr(BlockPool, "_key", lambda self, parent, tokens: Colliding(original(self, parent, tokens)))
+    monkeypatch.setattr(BlockPool, "_key", staticmethod(lambda tokens: Colliding(original(tokens))))
     pool = BlockPool(8, virtual_block_size=4)
     [block] = pool.allocate(1)
-    pool.register(block, 0, [1, 2, 3, 4])
-    assert pool.lookup([1, 2, 3, 5, 0], 4) == ([], 0)
-    assert pool.lookup([1, 2, 3, 4, 0], 4)[0] == [block]
+    pool.register([block], 0, [1, 2, 3, 4])
+    assert pool.lookup([1, 2, 3, 5, 0], 4) == ([[]], 0)
+    assert pool.lookup([1, 2, 3, 4, 0], 4)[0] == [[block]]
 
 
 def test_references_and_least_recently_used_eviction():
     pool = BlockPool(4, virtual_block_size=2)
     first = pool.allocate(2)
-    key = pool.register(first[0], 0, [1, 2])
-    pool.register(first[1], key, [3, 4])
+    key = pool.register([first[0]], 0, [1, 2])
+    pool.register([first[1]], key, [3, 4])
     pool.share(first)  # a second sequence reuses both
     pool.free(first)
     assert pool.num_free == 2 and pool.ref_counts[first[0]] == 1
@@ -57,7 +58,7 @@ def test_references_and_least_recently_used_eviction():
     assert pool.num_cached == 2
     [evicted] = pool.allocate(1)
     assert evicted == first[1]  # freed last block first: the end of the prefix goes before its start
-    assert pool.lookup([1, 2, 3, 4, 5], 4)[0] == [first[0]]
+    assert pool.lookup([1, 2, 3, 4, 5], 4)[0] == [[first[0]]]
     with pytest.raises(RuntimeError, match="freed more often"):
         pool.free([first[1], first[1]])
 
@@ -65,12 +66,55 @@ def test_references_and_least_recently_used_eviction():
 def test_duplicate_blocks_stay_private_and_reset_waits_for_idle():
     pool = BlockPool(4, virtual_block_size=2)
     a, b = pool.allocate(1), pool.allocate(1)
-    key_a = pool.register(a[0], 0, [5, 6])
-    assert pool.register(b[0], 0, [5, 6]) == key_a  # computed side by side: the first one is kept
+    key_a = pool.register(a, 0, [5, 6])
+    assert pool.register(b, 0, [5, 6]) == key_a  # computed side by side: the first one is kept
     assert pool.num_cached == 1
     assert not pool.reset()
     pool.free(a + b)
-    assert pool.reset() and pool.num_cached == 0 and pool.lookup([5, 6, 7], 2)[0] == []
+    assert pool.reset() and pool.num_cached == 0 and pool.lookup([5, 6, 7], 2)[0] == [[]]
+    assert len(pool.prefixes) == 0  # no prefix id outlives its blocks
+
+
+def _register_chain(pool, blocks_per_group, tokens, size):
+    """Register each virtual block j of `tokens` with block blocks_per_group[g][j] of each group."""
+    key = 0
+    for j in range(len(blocks_per_group[0])):
+        key = pool.register([g[j] for g in blocks_per_group], key, tokens[j * size : (j + 1) * size])
+    return key
+
+
+def test_sliding_groups_hit_with_their_window_only():
+    """A full group and a sliding one (window 5, blocks of 2): a hit of m blocks needs the full
+    group's m blocks and the sliding group's blocks of positions 2m - 4 .. 2m - 1 (what the next query
+    sees); the earlier
+    entries of its hit are null (`NULL_BLOCK`), and block 0 is never handed out."""
+    pool = BlockPool(16, virtual_block_size=2, windows=(None, 5))
+    assert 0 not in pool.allocate(pool.num_free)
+    pool.free(list(range(1, 16)))
+    full, sliding = pool.allocate(4), pool.allocate(4)
+    tokens = list(range(100, 108))
+    _register_chain(pool, [full, sliding], tokens, 2)
+    hits, _ = pool.lookup(tokens + [1], 8)
+    assert hits == [full, [NULL_BLOCK, NULL_BLOCK, sliding[2], sliding[3]]]  # the query at 8 sees 4 .. 8
+    pool.free(sliding[2:3])  # the window's first block evicted: the hit falls back to where a window is whole
+    pool.allocate(pool.num_free)
+    hits, key = pool.lookup(tokens + [1], 8)
+    assert hits == [full[:2], sliding[:2]] and key != 0  # the query at 4 sees 0 .. 4
+
+
+def test_prefix_ids_outlive_the_blocks_at_the_start_of_their_prefix():
+    """A sliding group frees the start of a long prefix; its window's blocks must still be found:
+    prefix ids live in their own table, not on blocks (evicting the first blocks loses nothing)."""
+    pool = BlockPool(12, virtual_block_size=2, windows=(3,))
+    blocks = pool.allocate(5)
+    tokens = list(range(10))
+    key = _register_chain(pool, [blocks], tokens, 2)
+    pool.retain(key)  # the sequence holds its chain's end
+    pool.free(blocks[:3])  # behind the window: back to the pool, still cached ...
+    pool.allocate(pool.num_free)  # ... then evicted
+    hits, found = pool.lookup(tokens + [0], 10)
+    assert hits == [[NULL_BLOCK] * 4 + [blocks[4]]] and found == key  # 10 + 1 - 3 = 8: the last block
+    pool.release(key)
 
 
 # -- the engine: same outputs, blocks never rewritten ------------------------------------------------

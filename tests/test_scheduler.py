@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from dcpjax.engine.config import SchedulerConfig
+from dcpjax.engine.kv_cache_manager import KVCacheManager
 from dcpjax.engine.scheduler import Scheduler
+from dcpjax.models.kv_groups import NULL_BLOCK, KVCacheGroups
 from dcpjax.sampling import SamplingParams
 from dcpjax.sequence import Sequence
 from dcpjax.spec_decode.stats import SpecDecodeStats
@@ -42,8 +44,8 @@ def test_first_come_first_served_prefill_then_decode():
                                                                                       ("b", 0, 6, False)]
     assert all(r.admitted for r in step.prefill) and not step.decode
     assert (a.num_computed, a.num_pending, b.num_computed, b.num_pending) == (10, 1, 6, 0)
-    assert len(a.blocks) == 3 and len(b.blocks) == 2  # blocks of 4 tokens
-    np.testing.assert_array_equal(scheduler.block_tables[a.slot, :3], a.blocks)
+    assert len(a.blocks[0]) == 3 and len(b.blocks[0]) == 2  # blocks of 4 tokens
+    np.testing.assert_array_equal(scheduler.block_tables[a.slot, 0, :3], a.blocks[0])
     read(scheduler, step.prefill, {"a": [77]})
     assert a.num_pending == 0 and a.token_ids[-1] == 77
     step = scheduler.schedule()
@@ -90,7 +92,7 @@ def test_preemption_spares_a_sequence_its_token_in_flight_ends():
     scheduler.schedule()
     step = scheduler.schedule()  # the first step not read yet: a needs a fourth block
     assert step.preempted == 1 and list(scheduler.waiting) == [a] and a.slot is None
-    assert len(b.blocks) == 3 and b.slot is not None and not step.decode
+    assert len(b.blocks[0]) == 3 and b.slot is not None and not step.decode
 
 
 def test_prefix_cache_hits_skip_the_cached_blocks():
@@ -103,7 +105,7 @@ def test_prefix_cache_hits_skip_the_cached_blocks():
     step = scheduler.schedule()
     (row,) = [r for r in step.prefill if r.seq is b]
     assert (row.start, row.count, b.num_cached_tokens) == (8, 2, 8)
-    assert b.blocks[:2] == a.blocks[:2] and scheduler.allocator.ref_counts[a.blocks[0]] == 2
+    assert b.blocks[0][:2] == a.blocks[0][:2] and scheduler.allocator.ref_counts[a.blocks[0][0]] == 2
 
 
 def test_drafts_advance_computed_and_the_step_rolls_them_back():
@@ -157,10 +159,11 @@ def test_the_runner_gets_a_message_of_ids_counts_and_copied_block_ids():
     assert [n.request_id for n in call.new_requests] == ["a", "b"] and call.new_requests[0].params.temperature == 0.5
     assert not any(isinstance(v, Sequence) for c in call.chunks for v in c)
     blocks = call.block_tables
-    assert blocks[0, : len(a.blocks)].tolist() == a.blocks and blocks[1, : len(b.blocks)].tolist() == b.blocks
+    assert blocks[0, 0, : len(a.blocks[0])].tolist() == a.blocks[0]
+    assert blocks[1, 0, : len(b.blocks[0])].tolist() == b.blocks[0]
     assert not blocks.flags.writeable
-    scheduler.block_tables[a.slot, 0] = 999  # the scheduler's own table moves on; the message does not
-    assert blocks[0, : len(a.blocks)].tolist() == a.blocks
+    scheduler.block_tables[a.slot, 0, 0] = 999  # the scheduler's own table moves on; the message does not
+    assert blocks[0, 0, : len(a.blocks[0])].tolist() == a.blocks[0]
     read(scheduler, step.prefill, {"a": [7], "b": [8]})
     scheduler.finish(b)
     step = scheduler.schedule()
@@ -177,3 +180,54 @@ def test_a_request_id_already_queued_or_running_is_refused():
         scheduler.add(make_seq("a", 4))
     scheduler.finish(scheduler.find("a"))
     scheduler.add(make_seq("a", 4))  # free again once finished
+
+
+def test_sliding_groups_free_the_blocks_behind_their_windows():
+    """A full group and a sliding one (window 6), blocks of 4: before each step the sliding group frees
+    the blocks wholly before n + 1 - 6 (n: the row's first position), its entries becoming the null
+    block; the full group keeps everything; a finished sequence gives every block back."""
+    groups = KVCacheGroups(((0,), (1,)), (None, 6), 2)
+    scheduler = Scheduler(16, SchedulerConfig(64, 4, 4, 8), dcp=1, groups=groups)
+    a = make_seq("a", 14, max_tokens=10)
+    scheduler.add(a)
+    step = scheduler.schedule()  # positions 0 .. 7: nothing is behind the window of position 0
+    assert [len(b) for b in a.blocks] == [2, 2] and NULL_BLOCK not in a.blocks[1]
+    read(scheduler, step.prefill, {})
+    step = scheduler.schedule()  # 8 .. 13: the query at 8 sees 3 .. 8, so block 0 (0 .. 3) stays
+    assert a.blocks[1][0] != NULL_BLOCK and len(a.blocks[0]) == 4
+    read(scheduler, step.prefill, {"a": [5]})
+    for n in range(14, 18):  # decode: the query at 14 sees 9 .. 14: blocks 0 and 1 are dead
+        step = scheduler.schedule()
+        (row,) = step.decode
+        assert row.start == n
+        read(scheduler, step.decode, {"a": [5]})
+    assert a.blocks[1][:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in a.blocks[1][3:]  # n = 17 sees 12 .. 17
+    assert NULL_BLOCK not in a.blocks[0] and scheduler.num_dead_blocks_freed == 3
+    np.testing.assert_array_equal(scheduler.block_tables[a.slot, 1, :3], [NULL_BLOCK] * 3)
+    held = sum(b != NULL_BLOCK for group in a.blocks for b in group)
+    assert scheduler.allocator.num_free == scheduler.allocator.num_usable - held
+    a.finish_reason = "abort"
+    scheduler.finish(a)
+    assert scheduler.allocator.num_free == scheduler.allocator.num_usable == 15  # block 0 is the null block
+
+
+def test_a_loaded_prompt_gets_only_its_windows_and_caches_only_whole_ones():
+    """A decode server's load (P/D): the sliding group gets the window of the first generated token only, in
+    a cache sized for one max_model_len sequence (`KVCacheGroups.blocks_for`); the window's first block may
+    hold positions the producer had freed, so it is not registered for other sequences to take."""
+    groups = KVCacheGroups(((0,), (1,)), (None, 8), 2)
+    config = SchedulerConfig(64, 4, 2, 16)
+    usable = groups.blocks_for(64, 4, 16)
+    kv = KVCacheManager(usable + 1, config, dcp=1, groups=groups)  # + the null block
+    seq = make_seq("a", 62, max_tokens=2)
+    seq.token_ids.append(7)  # its first token, from the prefill server
+    seq.slot = 0
+    assert kv.blocks_for_load(seq)  # 63 tokens: the query at 62 sees 55 .. 62, blocks 13 .. 15
+    assert len(seq.blocks[0]) == 16 and NULL_BLOCK not in seq.blocks[0]
+    assert seq.blocks[1][:13] == [NULL_BLOCK] * 13 and NULL_BLOCK not in seq.blocks[1][13:]
+    assert kv.pool.num_free == usable - 16 - 3 and seq.sliding_cache_from == 14
+    seq.num_computed = 62  # loaded: the prompt's KV is in place
+    kv.cache_full_blocks(seq)  # 15 full blocks: the full group's all, the sliding group's 14th only
+    assert kv.pool.num_cached == 15 + 1
+    kv.release(seq)
+    assert kv.pool.num_free == usable and seq.sliding_cache_from == 0

@@ -27,13 +27,13 @@ def test_pack_then_unpack_gives_every_field_back():
     call.set_request_values(np.stack([step_input.request_values(p, seed, i == 0)
                                       for i, (p, seed) in enumerate(zip(params, [1, 2**32 + 5, 2**31]))]))
     call.set("counter", [0, 4, 9])
-    call.block_tables[:n] = np.arange(n * 5).reshape(n, 5)
+    call.block_tables[0, :n] = np.arange(n * 5).reshape(n, 5)
 
     x = step_input.unpack(call.array, shape)
     f = x.fields
     assert x.tokens[:, 0].tolist() == [7, 8, 9, 0] and x.positions[:, 0].tolist() == [0, 7, 30, -1]  # -1: padding
     assert x.from_slot[:, 0].tolist() == [-1, 0, -1, -1] and x.page_offsets is None and x.targets is None
-    np.testing.assert_array_equal(x.block_tables[:n], np.arange(n * 5).reshape(n, 5))
+    np.testing.assert_array_equal(x.block_tables[0, :n], np.arange(n * 5).reshape(n, 5))
     assert f.count.tolist() == [1, 1, 1, 0] and f.sample_at.tolist() == [0, 1, 2, 0]
     assert f.slot.tolist() == [2, 0, 9, slots]  # the padding row has no slot: its writes are dropped
     assert f.counter.tolist() == [0, 4, 9, 0] and f.wants_logprobs[:n].tolist() == [1, 0, 0]
@@ -53,12 +53,12 @@ def test_a_packed_call_carries_page_offsets_and_prompt_targets():
     call.tokens("tokens")[0, :5] = [1, 2, 3, 4, 5]
     call.tokens("page_offsets")[0, 3:5] = 2
     call.tokens("targets")[0, :2] = [2, 3]
-    call.block_tables[0, :3] = [11, 12, 13]
+    call.block_tables[0, 0, :3] = [11, 12, 13]
     call.set("sample_at", [2, 4])
     x = step_input.unpack(call.array, shape)
     assert x.tokens.shape == (1, 8) and x.page_offsets[0].tolist() == [0, 0, 0, 2, 2, 0, 0, 0]
     assert x.targets[0].tolist() == [2, 3, -1, -1, -1, -1, -1, -1]
-    assert x.block_tables[0].tolist() == [11, 12, 13, 0, 0, 0] and x.fields.sample_at.tolist() == [2, 4, 0, 0]
+    assert x.block_tables[0, 0].tolist() == [11, 12, 13, 0, 0, 0] and x.fields.sample_at.tolist() == [2, 4, 0, 0]
     assert x.seq_slots[0].tolist() == [16] * 8  # no token set: every one padding
     assert call.array.size == shape.size == 6 * 8 + 6 + 4 * len(step_input.FIELDS)
 

@@ -15,6 +15,11 @@ Beside the device step it prints the weight-read floor of a step: the bytes of e
 parameter shards over the host's read bandwidth, measured in the same run (numpy summing 512
 MiB on every core; fake CPU devices share that memory). A decode step cannot beat it.
 
+The KV cache: the tokens it holds (with sliding-window layers: the longest one sequence, full
+layers' tokens plus each sliding layer's window, `models.kv_groups`), its blocks and bytes per
+device, the same bytes per device at DCP 1 (the engine's own sizing arithmetic, same TP) and the
+ratio, and the blocks the sliding layers freed behind their windows during the timed run.
+
 Device time per step comes from a synchronous pass of the same workload (each step read
 as soon as it is dispatched: dispatch + wait is the device's step); the asynchronous
 run's wall time minus it is host time the device did not hide (device idle).
@@ -102,13 +107,14 @@ def _timed_generate(llm, prompts, params, async_scheduling: bool) -> dict:
     engine.async_scheduling = async_scheduling and engine.proposer is None  # speculation runs synchronously
     engine.reset_stats()
     llm.reset_prefix_cache()  # every pass computes every prompt: the warm-up's prefixes are no head start
-    compiled = llm.compiled_step_count
+    compiled, freed = llm.compiled_step_count, engine.num_dead_blocks_freed
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return dict(seconds=seconds, output_tokens=tokens, timings=engine.timings.as_dict(),
                 recompilations=llm.compiled_step_count - compiled, outputs=outputs,
+                sliding_blocks_freed=engine.num_dead_blocks_freed - freed,
                 spec_decode=engine.spec_stats.as_dict() if engine.spec_stats is not None else None)
 
 
@@ -147,6 +153,27 @@ def _weight_read_floor(llm) -> dict:
     weight_bytes, bandwidth = sum(llm.weight_bytes_by_device().values()), read_bandwidth()  # every fake device's
     return dict(weight_bytes=weight_bytes, read_bandwidth_GBps=bandwidth / 1e9,
                 weight_read_floor_ms=1e3 * weight_bytes / bandwidth)
+
+
+def kv_cache_summary(llm) -> dict:
+    """The engine's KV cache (see the module docstring), and what the same bytes per device hold at DCP 1."""
+    import dataclasses
+
+    from dcpjax.runner.kv_budget import kv_cache_tokens
+    from dcpjax.runner.kv_layout import kv_cache_layout
+
+    info, cfg, pc = llm.kv_cache_info, llm.model_config, llm.parallel_config
+    dcp1 = dataclasses.replace(pc, decode_context_parallel_size=1, cp_kv_cache_interleave_size=1,
+                               dcp_comm_backend="ag_rs")
+    base = kv_cache_layout(cfg, dcp1, block_size=info["block_size"], bytes_per_device=info["bytes_per_device"],
+                           dtype=info["dtype"])
+    chunk = llm.scheduler_config.max_num_batched_tokens
+    base_tokens = kv_cache_tokens(cfg, base.num_blocks, info["block_size"], 1, chunk)
+    return dict(kv_cache_size_tokens=info["kv_cache_size_tokens"], kv_blocks=info["num_blocks"],
+                kv_block_layers=info["layers_per_block"], kv_groups=info["num_groups"],
+                sliding_groups=info["sliding_groups"], sliding_windows=info["sliding_windows"],
+                kv_bytes_per_device=info["bytes_per_device"], dcp1_kv_cache_size_tokens=base_tokens,
+                kv_tokens_vs_dcp1=info["kv_cache_size_tokens"] / base_tokens)
 
 
 def check_transformers(model: str) -> None:
@@ -252,7 +279,8 @@ def run(args: argparse.Namespace) -> dict:
         output_tokens=main["output_tokens"],
         output_throughput=main["output_tokens"] / main["seconds"],
         request_throughput=args.num_prompts / main["seconds"],
-        recompilations=main["recompilations"], timings=main["timings"],
+        recompilations=main["recompilations"], timings=main["timings"], **kv_cache_summary(llm),
+        sliding_blocks_freed=main["sliding_blocks_freed"],
         sampling_ms_in_step=_sampling_ms(vocab, max_num_seqs), sampling_batch=max_num_seqs,
         **_weight_read_floor(llm),
     )
@@ -292,6 +320,13 @@ def report(r: dict) -> str:
          f"elapsed {r['elapsed_s']:.3f} s (median of {r['num_iters']}), "
          f"{t['steps']} steps ({t['model_calls']} model calls), "
          f"recompilations while timed: {r['recompilations']}"),
+        (f"KV cache: {r['kv_cache_size_tokens']:,} tokens{' of one sequence' if r['sliding_windows'] else ''} in "
+         f"{r['kv_blocks']:,} blocks of {r['kv_block_layers']} layers ({r['kv_bytes_per_device'] / 2**20:,.1f} MiB per "
+         f"device); the same bytes at DCP 1: {r['dcp1_kv_cache_size_tokens']:,} tokens, so DCP {r['dcp']} holds "
+         f"{r['kv_tokens_vs_dcp1']:.2f}x" + (
+             f"; sliding layers (window {'/'.join(map(str, r['sliding_windows']))}, {r['sliding_groups']} of "
+             f"{r['kv_groups']} groups) freed {r['sliding_blocks_freed']:,} blocks behind their windows in the "
+             "timed run" if r['sliding_windows'] else "")),
         "",
         ("| per step (ms) | schedule | propose (drafts) | prepare + transfer | dispatch | wait (device) "
          "| process (detok, stops) | host total |"),

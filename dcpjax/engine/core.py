@@ -96,7 +96,8 @@ class Engine:
         self.kv_connector = kv_connector  # prefill/decode disaggregation (`dcpjax.kv_transfer`), or None
         self.spec_stats = SpecDecodeStats(config.num_lookahead_tokens) if proposer else None
         self.scheduler = Scheduler(runner.kv_layout.num_blocks, config, dcp=runner.pc.dcp, spec_stats=self.spec_stats,
-                                   connector=kv_connector.scheduler if kv_connector is not None else None)
+                                   connector=kv_connector.scheduler if kv_connector is not None else None,
+                                   groups=runner.kv_groups)
         self.processor = OutputProcessor(tokenizer, eos_token_ids)
         self.async_scheduling = config.async_scheduling and proposer is None
         self.in_flight: list[InFlight] = []  # dispatched, not yet read
@@ -144,6 +145,8 @@ class Engine:
     running = property(lambda self: self.scheduler.running)
     num_preemptions = property(lambda self: self.scheduler.num_preemptions)
     kv_usage = property(lambda self: self.scheduler.kv_usage)
+    # blocks sliding-window groups gave back behind their windows, since start (`models.kv_groups`)
+    num_dead_blocks_freed = property(lambda self: self.scheduler.num_dead_blocks_freed)
     prefix_cache_stats: PrefixCacheStats = property(lambda self: self.scheduler.prefix_cache_stats)
     num_cached_blocks = property(lambda self: self.scheduler.num_cached_blocks)
 

@@ -9,8 +9,10 @@ Every step the scheduler fills one batch, first come first served:
      same as if it had run alone);
   2. waiting sequences, while rows, tokens and blocks remain.
 Block ids are shared by all DCP ranks (each rank holds its tokens of a block), so one
-`BlockPool` serves the replica. With prefix caching, a sequence admitted from the queue
-(new, or preempted) first takes the cached blocks of its longest cached prefix, in whole
+`BlockPool` serves the replica, and all KV cache groups (`models.kv_groups`); the blocks, tables
+and prefix cache are the `KVCacheManager`'s (`kv_cache_manager`): a sliding-window group frees
+the blocks behind its window before each step's are allocated. With prefix caching, a sequence
+admitted from the queue (new, or preempted) first takes the cached blocks of its longest cached prefix, in whole
 virtual blocks and leaving at least its last token to compute (its logits are needed),
 and computes only the rest. A block is registered once it is full, its tokens known to the host
 (a decode row's input may still be on the device) and its KV computed by a step already
@@ -45,13 +47,14 @@ import collections
 
 import numpy as np
 
-from dcpjax.engine.block_pool import ROOT, BlockPool, PrefixCacheStats
+from dcpjax.engine.block_pool import PrefixCacheStats
 from dcpjax.engine.config import SchedulerConfig
+from dcpjax.engine.kv_cache_manager import KVCacheManager
 from dcpjax.engine.transfer_queues import TransferQueues
 from dcpjax.kv_transfer.metadata import KVConnectorMetadata, KVConnectorOutput
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.runner.messages import ScheduledCall
 from dcpjax.sequence import ScheduledRow, ScheduledStep, Sequence, scheduled_call
-from dcpjax.sharding import layout
 from dcpjax.spec_decode.stats import SpecDecodeStats
 
 # Prompt-logprobs chunks get logits at every position ([tokens, vocab] float32, several
@@ -63,21 +66,18 @@ PROMPT_LOGPROBS_TOKENS = 512
 class Scheduler:
     """Queues, KV blocks, device token slots and preemption (see the module docstring).
 
-    `block_tables` [max_num_seqs, blocks_per_seq] is the host copy of every running
-    sequence's block table, indexed by its slot, so a step's tables are one numpy gather.
+    `block_tables` [max_num_seqs, groups, blocks_per_seq]: the `KVCacheManager`'s tables of every
+    running sequence, by slot. `groups`: the model's KV cache groups (default: one full-attention group).
     """
 
     def __init__(self, num_blocks: int, config: SchedulerConfig, *, dcp: int,
-                 spec_stats: SpecDecodeStats | None = None, connector=None):
+                 spec_stats: SpecDecodeStats | None = None, connector=None, groups: KVCacheGroups | None = None):
         self.config, self.block_size, self.dcp = config, config.block_size, dcp
         self.num_lookahead_tokens = config.num_lookahead_tokens  # room for speculative drafts on decode rows
         self.max_num_seqs, self.token_budget = config.max_num_seqs, config.max_num_batched_tokens
-        self.blocks_per_seq = layout.blocks_needed(config.max_model_len, config.block_size, dcp)
-        self.virtual_block_size = layout.virtual_block_size(config.block_size, dcp)
-        self.allocator = BlockPool(num_blocks, virtual_block_size=self.virtual_block_size,
-                                   enable_caching=config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config, dcp=dcp, groups=groups)
+        self.allocator, self.block_tables = self.kv.pool, self.kv.block_tables  # read by the engine and tests
         self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
-        self.block_tables = np.zeros((config.max_num_seqs, self.blocks_per_seq), np.int32)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -123,7 +123,7 @@ class Scheduler:
                 queue.remove(seq)  # in neither if preempted and finished in one step, or interrupted mid-admission
             except ValueError:
                 pass
-        self._cache_full_blocks(seq)
+        self.kv.cache_full_blocks(seq)
         saving = self.connector is not None and self.connector.request_finished(seq)
         if saving:
             self.transfers.saving[seq.request_id] = seq
@@ -163,57 +163,17 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         """Fraction of KV blocks in use."""
-        return 1.0 - self.allocator.num_free / self.allocator.num_blocks
+        return self.kv.usage
 
-    # -- blocks and slots ----------------------------------------------------------------------
-    def _grow(self, seq: Sequence, tokens: int) -> bool:
-        extra = layout.blocks_needed(tokens, self.block_size, self.dcp) - len(seq.blocks)
-        if extra > self.allocator.num_free:
-            return False
-        if extra > 0:
-            new = self.allocator.allocate(extra)
-            self.block_tables[seq.slot, len(seq.blocks) : len(seq.blocks) + extra] = new
-            seq.blocks += new
-        return True
-
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Register the sequence's full blocks whose KV is computed and whose tokens the host knows."""
-        size = self.virtual_block_size
-        full = min(seq.num_computed, seq.length) // size
-        for j in range(seq.num_hashed_blocks, full):
-            tokens = seq.token_ids[j * size : (j + 1) * size]
-            seq.prefix_key = self.allocator.register(seq.blocks[j], seq.prefix_key, tokens)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
-
-    def _take_cached_prefix(self, seq: Sequence, budget: int) -> int | None:
-        """For a sequence leaving the queue: take the cached blocks of its prefix; returns how many
-        tokens to compute now, or None (nothing taken) if the blocks for them are not free."""
-        # prompt logprobs need every prompt position computed: such requests skip the lookup
-        wanted = 0 if seq.needs_prompt_logprobs else seq.num_tokens - 1
-        hits, key = self.allocator.lookup(seq.token_ids, wanted)
-        cached = len(hits) * self.virtual_block_size
-        want = min(seq.num_tokens - cached, budget)
-        extra = layout.blocks_needed(cached + want, self.block_size, self.dcp) - len(hits)
-        if extra + self.allocator.num_unreferenced(hits) > self.allocator.num_free:
-            return None
-        self.allocator.share(hits)
-        seq.blocks, seq.num_computed = hits, cached
-        seq.num_hashed_blocks, seq.prefix_key = len(hits), key
-        self.block_tables[seq.slot, : len(hits)] = hits
-        if self.allocator.enable_caching:
-            stats = self.allocator.stats
-            stats.queries, stats.hits = stats.queries + seq.num_tokens, stats.hits + cached
-        if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = cached
-        return want
+    @property
+    def num_dead_blocks_freed(self) -> int:
+        return self.kv.num_dead_blocks_freed
 
     def _start_load(self, seq: Sequence) -> bool:
         """For a sequence whose prompt's KV comes from a prefill server (its first token appended):
         blocks for the prompt and that token, and its load recorded; False if the blocks are not free."""
-        if layout.blocks_needed(seq.num_tokens, self.block_size, self.dcp) > self.allocator.num_free:
+        if not self.kv.blocks_for_load(seq):
             return False
-        seq.blocks, seq.num_computed, seq.num_hashed_blocks, seq.prefix_key = [], 0, 0, ROOT
-        self._grow(seq, seq.num_tokens)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = 0
         self.transfers.loading[seq.request_id] = seq
@@ -228,15 +188,14 @@ class Scheduler:
         self.transfers.report(output, self._release, self.waiting.appendleft)
 
     def _release(self, seq: Sequence) -> None:
-        self.allocator.free(seq.blocks)
-        seq.blocks, seq.num_hashed_blocks, seq.prefix_key = [], 0, ROOT
+        self.kv.release(seq)
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
             seq.slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self._cache_full_blocks(seq)  # its recompute finds them, unless evicted meanwhile
+        self.kv.cache_full_blocks(seq)  # its recompute finds them, unless evicted meanwhile
         self._release(seq)
         seq.num_computed = 0  # recompute prompt + generated tokens when readmitted
         self.num_preemptions += 1
@@ -255,7 +214,7 @@ class Scheduler:
             # Cache its full blocks now: a sequence admitted later in this step may reuse them,
             # since the prefill call, which runs first, writes every row's KV before any row
             # attends. (Rows of the later calls register at the next step.)
-            self._cache_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
         return row
 
     def _lookahead(self, seq: Sequence, budget: int) -> int:
@@ -297,14 +256,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             index += 1
-            self._cache_full_blocks(seq)
+            self.kv.cache_full_blocks(seq)
             if seq.num_pending and seq.num_tokens >= seq.max_total:
                 continue  # its pending token ends it ("length"): nothing more to compute
             want = min(seq.num_tokens - seq.num_computed, self._budget_for(seq, budget))
             if want <= 0:
                 continue
             lookahead = self._lookahead(seq, budget)
-            while not self._grow(seq, seq.num_computed + want + lookahead):
+            while not self.kv.grow(seq, seq.num_computed + want + lookahead):
                 victim = self._victim(seq)
                 self._preempt(victim)
                 preempted += 1
@@ -354,12 +313,12 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 continue
-            want = self._take_cached_prefix(seq, self._budget_for(seq, budget))
+            want = self.kv.take_cached_prefix(seq, self._budget_for(seq, budget))
             if want is None:
                 self.free_slots.append(seq.slot)
                 seq.slot = None
                 break  # nobody overtakes the head of the queue
-            self._grow(seq, seq.num_computed + want)
+            self.kv.grow(seq, seq.num_computed + want)
             self.waiting.popleft()
             self.running.append(seq)
             rows.append(self._row(seq, want))

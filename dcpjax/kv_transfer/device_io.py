@@ -14,6 +14,11 @@ a sharded `device_put` (each device receives its rank's positions of its own hea
 else), converted to this cache's dtype on the devices (`quantize_fp8`, as a new token is stored) and
 written into the blocks the scheduler allocated. State rows go into the sequence's slot.
 
+Block ids come per KV cache group (`models.kv_groups`), [groups, blocks]: each layer's pages are
+those of its group's table. A sliding group's entries behind its window are `NULL_BLOCK`: a
+gather reads the null block there (the receiver never attends to those positions), a scatter
+drops what would land there.
+
 Both compile once per power-of-two bucket (blocks out, tokens per rank in), at start-up when the
 engine precompiles (`runner.precompile`).
 """
@@ -31,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from dcpjax.kernels import KVPools, LinearState
 from dcpjax.kernels.kv_cache import dequantize_fp8, quantize_fp8
 from dcpjax.kv_transfer.layout import STATE_FIELDS, VALUE_FIELDS, KVLayout, bucket, pool_name, state_name
+from dcpjax.models.kv_groups import NULL_BLOCK
 from dcpjax.sharding.mesh import DCP_AXIS, RULES, TP_AXIS
 
 
@@ -52,7 +58,9 @@ class KVMover:
 
     def __init__(self, runner):
         self.runner, self.layout = runner, describe(runner)
-        self.kv_index = [i for i, c in enumerate(runner.kv_caches) if not isinstance(c, LinearState)]
+        groups = self.groups = runner.kv_groups
+        # per KV layer, in layer order: (its cache in the runner's tuple, its group's table)
+        self.kv_layers = [(groups.cache_index[i], groups.group_of[i]) for i in sorted(groups.group_of)]
         self.linear_index = [i for i, c in enumerate(runner.kv_caches) if isinstance(c, LinearState)]
         self._lower_lock = threading.Lock()  # precompile's threads: one trace at a time, compiles in parallel
         mesh, lay = runner.mesh, self.layout
@@ -105,7 +113,8 @@ class KVMover:
         """Compile the gather of `num_ids` blocks (thread-safe); jit's lower().compile() fills the
         cache its calls use."""
         with self._lower_lock:
-            lowered = self._gather.lower(self.runner.kv_caches, np.zeros(num_ids, np.int32), np.int32(0))
+            lowered = self._gather.lower(self.runner.kv_caches, np.zeros((self.groups.num_groups, num_ids), np.int32),
+                                         np.int32(0))
         lowered.compile()
 
     def compile_scatter(self, tokens: int) -> None:
@@ -120,22 +129,25 @@ class KVMover:
         lay, caches = self.layout, self.runner.kv_caches
         updates = {}
         for field in lay.pool_fields:
-            pool = getattr(caches[self.kv_index[0]], field)
-            shape = (lay.dcp, len(self.kv_index), pool.shape[0], tokens, *pool.shape[3:])
+            pool = getattr(caches[self.kv_layers[0][0]], field)
+            shape = (lay.dcp, len(self.kv_layers), pool.shape[0], tokens, *pool.shape[3:])
             updates[field] = jax.ShapeDtypeStruct(shape, pool.dtype, sharding=self.update_sharding)
         states = {i: LinearState(*(jax.ShapeDtypeStruct(getattr(caches[i], f).shape[1:], getattr(caches[i], f).dtype,
                                                         sharding=self.state_sharding) for f in STATE_FIELDS))
                   for i in self.linear_index}
-        blocks = jax.ShapeDtypeStruct((-(-tokens // lay.block_size),), jnp.int32)
+        blocks = jax.ShapeDtypeStruct((self.groups.num_groups, -(-tokens // lay.block_size)), jnp.int32)
         return updates, states, np.zeros(lay.dcp, np.int32), blocks, np.int32(0)
 
     # -- out -------------------------------------------------------------------------------------
-    def gather(self, blocks: Sequence[int], slot: int) -> dict[str, jax.Array]:
+    def gather(self, blocks: Sequence[Sequence[int]], slot: int) -> dict[str, jax.Array]:
         """The sequence's KV and state on the devices, as it travels (module docstring), each rank's
-        tokens padded to the bucket of `blocks` x block_size. Enqueued: the arrays are ready once the
-        device has run it, whatever writes the blocks afterwards."""
-        ids = np.full(bucket(len(blocks), 1), blocks[0] if blocks else 0, np.int32)
-        ids[: len(blocks)] = blocks
+        tokens padded to the bucket of `blocks` [groups, n] x block_size. Enqueued: the arrays are ready
+        once the device has run it, whatever writes the blocks afterwards."""
+        n = len(blocks[0]) if blocks else 0
+        ids = np.zeros((self.groups.num_groups, bucket(n, 1)), np.int32)
+        for g, group in enumerate(blocks):
+            ids[g] = group[0] if n else 0
+            ids[g, :n] = group
         pools, states = self._gather(self.runner.kv_caches, ids, np.int32(slot))
         out: dict[str, jax.Array] = {}
         for field, stacked in pools.items():
@@ -159,14 +171,15 @@ class KVMover:
                 for i, row in states.items()}
         return placed, rows
 
-    def scatter(self, placed: tuple, lengths: Sequence[int], blocks: Sequence[int], slot: int) -> None:
-        """Write `place`d KV into `blocks` and `slot` (the engine's thread: the runner's next call reads
-        it); lengths [DCP]: the positions each rank owns."""
+    def scatter(self, placed: tuple, lengths: Sequence[int], blocks: Sequence[Sequence[int]], slot: int) -> None:
+        """Write `place`d KV into `blocks` [groups, n] and `slot` (the engine's thread: the runner's next
+        call reads it); lengths [DCP]: the positions each rank owns."""
         updates, rows = placed
         tokens = next(iter(updates.values())).shape[3]
-        table = np.zeros(-(-tokens // self.layout.block_size), np.int32)
-        used = min(len(blocks), len(table))
-        table[:used] = blocks[:used]
+        table = np.zeros((self.groups.num_groups, -(-tokens // self.layout.block_size)), np.int32)
+        used = min(len(blocks[0]), table.shape[1])
+        for g, group in enumerate(blocks):
+            table[g, :used] = group[:used]
         self.runner.write_kv_caches(self._scatter_program(tuple(updates)), updates, rows,
                                     np.asarray(lengths, np.int32), table, np.int32(slot))
 
@@ -176,7 +189,7 @@ class KVMover:
         layers in local order, and its heads' state rows of `slot`."""
         pools = {}
         for field in self.layout.pool_fields:
-            taken = [getattr(caches[i], field)[:, ids] for i in self.kv_index]  # [slots, blocks, bs, ...]
+            taken = [getattr(caches[c], field)[:, ids[g]] for c, g in self.kv_layers]  # [slots, blocks, bs, ...]
             stacked = jnp.stack(taken)
             pools[field] = stacked.reshape(1, *stacked.shape[:2], -1, *stacked.shape[4:])
         states = {i: LinearState(*(getattr(caches[i], f)[slot] for f in STATE_FIELDS)) for i in self.linear_index}
@@ -190,10 +203,11 @@ class KVMover:
         mine = lengths[jax.lax.axis_index(DCP_AXIS)]
         block_size = self.layout.block_size
         out = list(caches)
-        for n, i in enumerate(self.kv_index):
-            cache = caches[i]
-            target = jnp.where(j < mine, blocks[jnp.minimum(j // block_size, blocks.shape[0] - 1)],
-                               cache.k.shape[1])  # out of range: dropped
+        for n, (i, g) in enumerate(self.kv_layers):
+            cache = out[i]  # a pool tensor several groups' layers share: each writes its own blocks
+            block = blocks[g, jnp.minimum(j // block_size, blocks.shape[1] - 1)]
+            keep = (j < mine) & (block != NULL_BLOCK) if self.groups.sliding else j < mine
+            target = jnp.where(keep, block, cache.k.shape[1])  # out of range: dropped
             fields = _converted({f: u[0, n] for f, u in updates.items()}, cache)
             out[i] = KVPools(*(None if getattr(cache, f) is None else
                                getattr(cache, f).at[:, target, j % block_size].set(fields[f], mode="drop")

@@ -22,7 +22,7 @@ class SaveSpec(NamedTuple):
 
     request_id: str
     key: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group (`models.kv_groups`)
     slot: int
     num_tokens: int
     nbytes: int
@@ -33,7 +33,7 @@ class LoadSpec(NamedTuple):
 
     request_id: str
     params: KVTransferParams
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]  # per KV cache group (`models.kv_groups`)
     slot: int
 
 

@@ -139,7 +139,8 @@ class KVConnectorScheduler:
         with self._lock:
             self._reserved[key] = need
         num_tokens = seq.num_prompt_tokens
-        blocks = tuple(seq.blocks[: layout.blocks_needed(num_tokens, self.layout.block_size, self.layout.dcp)])
+        used = layout.blocks_needed(num_tokens, self.layout.block_size, self.layout.dcp)
+        blocks = tuple(tuple(group[:used]) for group in seq.blocks)  # per KV cache group
         self._saves.append(SaveSpec(seq.request_id, key, blocks, seq.slot, num_tokens, need))
         first = seq.output_ids[0]
         entries = [[tid, lp.logprob, lp.rank] for tid, lp in seq.logprobs[0].items()] if seq.logprobs else None
@@ -170,7 +171,7 @@ class KVConnectorScheduler:
     def update_state_after_alloc(self, seq: Sequence) -> None:
         """The scheduler gave `seq` its blocks and slot: its load goes to the runner next."""
         self._loading.add(seq.request_id)
-        self._loads.append(LoadSpec(seq.request_id, transfer_params(seq), tuple(seq.blocks), seq.slot))
+        self._loads.append(LoadSpec(seq.request_id, transfer_params(seq), tuple(map(tuple, seq.blocks)), seq.slot))
 
     # -- the runner's messages -------------------------------------------------------------------
     def build_connector_meta(self) -> KVConnectorMetadata:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from dcpjax.kernels import AttentionOptions, KVPools
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.models.layers import LMHead, RMSNorm, VocabEmbedding, gather_vocab
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import owned_slots
@@ -44,13 +45,16 @@ class StepBatch:
 
     tokens, positions, valid: [B, T] (padding has valid False); positions are each token's
     position in its own sequence. sample_index: [R], the flat indices (b * T + t) of the tokens
-    whose next-token logits are wanted. block_tables: [B, P], shared by all DCP ranks.
+    whose next-token logits are wanted. block_tables: [G, B, P], one table per KV cache group
+    (`models.kv_groups`; [B, P] is taken as one group), shared by all DCP ranks; a layer sees its
+    group's (`for_group`).
     seq_slots: [B, T], the engine slot of each token's sequence (num_slots for padding): where
     a linear-attention layer keeps that sequence's state.
     page_offsets: None, or [B, T] for packed rows (several sequences' chunks in one row, their
     block tables back to back in the row's): where each token's sequence's blocks begin.
-    slots: [B * T], where this DCP rank stores each token (`PAD_SLOT` if it does not own it):
-    computed once per step inside `shard_map` (`on_rank`), not once per layer.
+    slots: [G, B * T], where this DCP rank stores each token in each group's blocks (`PAD_SLOT` if
+    it does not own it): computed once per step inside `shard_map` (`on_rank`), not once per layer;
+    [B * T] in a group's view.
     """
 
     tokens: jax.Array
@@ -73,10 +77,15 @@ class StepBatch:
         return jnp.where(self.valid, self.positions + 1, 0)
 
     def on_rank(self, block_size: int, pc: ParallelConfig) -> StepBatch:
-        """This DCP rank's slots for the step's tokens (inside shard_map)."""
-        slots = owned_slots(self.positions, self.block_tables, block_size, pc, valid=self.valid,
-                            page_offsets=self.page_offsets)
-        return dataclasses.replace(self, slots=slots.reshape(-1))
+        """This DCP rank's slots for the step's tokens in every group's blocks (inside shard_map)."""
+        tables = self.block_tables if self.block_tables.ndim == 3 else self.block_tables[None]
+        slots = jnp.stack([owned_slots(self.positions, table, block_size, pc, valid=self.valid,
+                                       page_offsets=self.page_offsets).reshape(-1) for table in tables])
+        return dataclasses.replace(self, block_tables=tables, slots=slots)
+
+    def for_group(self, group: int) -> StepBatch:
+        """The batch as a layer of KV cache group `group` sees it: block_tables [B, P], slots [B * T]."""
+        return dataclasses.replace(self, block_tables=self.block_tables[group], slots=self.slots[group])
 
 
 class DecoderLayer(nnx.Module):
@@ -116,6 +125,9 @@ class CausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else LMHead(cfg.hidden_size, vocab, dtype, pc)
         self.vocab_size = cfg.vocab_size
         self.embed_scale, self.final_softcap = cfg.embed_scale, cfg.final_logit_softcapping
+        groups = KVCacheGroups.of(cfg)  # which cache and which block tables each layer uses
+        self.layer_cache = groups.cache_index
+        self.layer_group = tuple(groups.group_of.get(i, 0) for i in range(cfg.num_hidden_layers))
 
     def __call__(self, batch: StepBatch, kv_caches: tuple[KVPools, ...], ctx: StepContext,
                  all_positions: bool = False):
@@ -123,8 +135,9 @@ class CausalLM(nnx.Module):
 
         Args:
           batch: the step's rows (`StepBatch`).
-          kv_caches: per layer, this rank's `KVPools`: pools [kv_heads_local, num_blocks, block_size, d],
-            heads first (MLA: one latent pool, kv_heads_local 1, v None); fp8 scales
+          kv_caches: this rank's caches, one per owner layer (`models.kv_groups.KVCacheGroups.owners`:
+            per layer without sliding-window layers): `KVPools` pools [kv_heads_local, num_blocks,
+            block_size, d], heads first (MLA: one latent pool, kv_heads_local 1, v None); fp8 scales
             [kv_heads_local, num_blocks, block_size] or None; the step's block tables come with the batch.
             A linear-attention layer's is its `LinearState` (per slot).
           all_positions: logits at every position (prompt logprobs, drafts), not only at sample_index.
@@ -136,10 +149,10 @@ class CausalLM(nnx.Module):
         x = self.embed(batch.tokens)
         if self.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype first
             x = x * jnp.asarray(self.embed_scale, x.dtype)
-        new_caches = []
-        for layer, kv in zip(self.layers, kv_caches):
-            x, kv = layer(x, batch, kv, ctx)
-            new_caches.append(kv)
+        caches = list(kv_caches)
+        for i, layer in enumerate(self.layers):
+            c = self.layer_cache[i]
+            x, caches[c] = layer(x, batch.for_group(self.layer_group[i]), caches[c], ctx)
         if not all_positions:
             x = x.reshape(-1, x.shape[-1])[batch.sample_index]  # [R, hidden]
         last = self.norm(x)
@@ -147,4 +160,4 @@ class CausalLM(nnx.Module):
         logits = gather_vocab(local, self.vocab_size)
         if self.final_softcap:  # Gemma 2 / 3: logits squashed into (-cap, cap), in float32
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
-        return logits, tuple(new_caches)
+        return logits, tuple(caches)

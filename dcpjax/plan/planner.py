@@ -17,8 +17,10 @@ import itertools
 from collections.abc import Callable
 
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.models.registry import layout_problems
 from dcpjax.plan import experts
+from dcpjax.plan.kv_capacity import kv_capacity, kv_read_bytes
 from dcpjax.plan.units import FP8, GB
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
@@ -114,23 +116,23 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     state = cfg.linear_state_bytes(pc.tp)
     budget = device.memory_gb * GB * utilization - weight_bytes - workload.concurrency * state
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
-        cfg.num_kv_layers, pc.kv_head_groups)
+        KVCacheGroups.of(cfg).size, pc.kv_head_groups)  # with sliding windows: one group's layers
     if budget < per_block:
         why = f"{memory_held(weight_bytes, workload.concurrency, state)} leave no room for KV in {utilization:.0%} of "
         return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
     kv = kv_cache_layout(cfg, pc, block_size=block_size, bytes_per_device=budget, dtype=kv_dtype)
-    per_token = per_block / block_size / pc.dcp
-    tokens = kv.num_blocks * block_size * pc.dcp
     per_seq = workload.input_len + workload.output_len
-    fit = tokens // per_seq
-    row |= {"kv_cache_size_tokens": tokens, "kv_bytes_per_token_per_device": per_token, "sequences_that_fit": fit,
-            "weight_bytes_per_device": weight_bytes, "state_bytes_per_sequence_per_device": state}
+    capacity = kv_capacity(cfg, kv.num_blocks, per_block, block_size, pc.dcp, per_seq)
+    tokens, fit = capacity.tokens, capacity.fit
+    row |= {"kv_cache_size_tokens": tokens, "kv_bytes_per_token_per_device": capacity.bytes_per_token,
+            "sequences_that_fit": fit, "weight_bytes_per_device": weight_bytes,
+            "state_bytes_per_sequence_per_device": state}
     if fit == 0:
         why = f"one sequence of {per_seq:,} tokens (input + output) needs more than the {tokens:,} tokens the KV cache"
         return _rejected(row, "context", [f"{why} holds"])
     batch = min(workload.concurrency, fit)
     context = workload.input_len + workload.output_len / 2  # the mean over the decode
-    kv_read = batch * context * per_token
+    kv_read = kv_read_bytes(cfg, capacity, batch, context)
     traffic = _traffic(cfg, pc, batch, q_bytes)
     state_traffic = 2 * batch * state  # each decoding sequence's state read and written back
     held, expert_read = experts.routed_bytes(cfg, pc, batch=batch, weight_dtype=weight_dtype)
@@ -309,11 +311,12 @@ LEGEND = (
     ("verdict: valid, or why not: a ParallelConfig / layout rule, no room for KV after the weights, or not one "
      "sequence fits"),
     ("KV tokens: tokens the KV cache holds, all DCP ranks together, in the memory the weights (and a hybrid "
-     "model's fixed state per sequence, --concurrency of them) leave; only full-attention layers have KV"),
+     "model's fixed state per sequence, --concurrency of them) leave; a linear-attention layer has no KV, a "
+     "sliding-window layer keeps its window only (then: the longest one sequence the cache holds)"),
     "fit: sequences of input + output tokens the cache holds at once",
     "batch: sequences decoded in one step, the fewer of --concurrency and fit",
     ("KV read / step / device: KV bytes one device reads in one decode step, batch x mean context "
-     "(input + output / 2) x KV bytes per token per device; DCP d leaves each device 1/d of every sequence"),
+     "(input + output / 2; a sliding layer: its window) x KV bytes per token per device; DCP d: 1/d of each"),
     ("collectives / step / device: bytes one device receives to merge DCP's partial attention, all layers, with "
      "the ag_rs and a2a backends (none at DCP 1)"),
     ("step ms: roofline of one decode step, (weights read + KV read + a hybrid's state read and written) / HBM "

@@ -144,8 +144,8 @@ class CallBuilder:
         call = step_input.PackedCall(shape, len(rows), self.max_num_seqs)
         offsets = np.arange(len(rows), dtype=np.int32) * chunk
         self._fill_rows(call, rows, offsets, values)
-        width = min(shape.width, tables.shape[1])
-        call.block_tables[: len(rows), :width] = tables[:, :width]
+        width, groups = min(shape.width, tables.shape[2]), shape.groups
+        call.block_tables[:, : len(rows), :width] = tables[:, :groups, :width].transpose(1, 0, 2)
         return PreparedCall(tuple(rows), call.array, shape, config, offsets)
 
     def _prepare_packed(self, rows, tables: np.ndarray, values, config, prompt: bool) -> PreparedCall:
@@ -157,11 +157,11 @@ class CallBuilder:
         offsets = (np.cumsum(rooms) - rooms).astype(np.int32)
         page_starts = np.cumsum(pages) - pages
         self._fill_rows(call, rows, offsets, values)
-        page_offsets, table = call.tokens("page_offsets").reshape(-1), call.block_tables[0]
+        page_offsets, table = call.tokens("page_offsets").reshape(-1), call.block_tables[:, 0]  # [G, W]
         targets = call.tokens("targets").reshape(-1) if prompt else None
         for row, own, at, first, need in zip(rows, tables, offsets, page_starts, pages):
             page_offsets[at : at + row.count] = first
-            table[first : first + need] = own[:need]
+            table[:, first : first + need] = own[: shape.groups, :need]
             if targets is not None and row.wants_prompt_logprobs:  # each position's next prompt token
                 targets[at : at + len(row.prompt_targets)] = row.prompt_targets
         return PreparedCall(tuple(rows), call.array, shape, config, offsets)

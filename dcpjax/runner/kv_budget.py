@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout, kv_cache_layout
-from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
 
 logger = logging.getLogger(__name__)
@@ -82,15 +82,21 @@ def kv_bytes_per_device(requested: int | None, utilization: float, mesh, most_us
 
 def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: int, block_size: int,
                   max_num_seqs: int, dtype, requested: int | None, utilization: float,
-                  draft_bytes_per_block: int = 0) -> tuple[KVCacheLayout, int]:
+                  draft_bytes_per_block: int = 0,
+                  max_num_batched_tokens: int | None = None) -> tuple[KVCacheLayout, int, int]:
     """The KV cache layout for the bytes per device `requested` (default: a share of device memory,
-    at most what max_num_seqs sequences of max_model_len fill), and those bytes. A hybrid model's
+    at most what max_num_seqs sequences of max_model_len fill), those bytes and the tokens it holds
+    (`kv_cache_tokens`). A hybrid model's
     linear-attention state (one per slot) comes out of them first; a draft model's KV
     (`draft_bytes_per_block`) shares the blocks. Logs the size; ValueError if max_model_len does
-    not fit."""
+    not fit. With sliding-window layers (`models.kv_groups`) a block id holds one group's layers, a
+    sequence's sliding groups hold their window and the step's chunk (`max_num_batched_tokens`, default
+    max_model_len) and the tokens logged are those of the longest sequence the blocks hold."""
+    groups = KVCacheGroups.of(cfg)
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype).bytes_per_block_per_device(
-        cfg.num_kv_layers, pc.kv_head_groups) + draft_bytes_per_block
-    blocks_per_seq = layout.blocks_needed(max_model_len, block_size, pc.dcp)
+        groups.size, pc.kv_head_groups) + draft_bytes_per_block
+    vbs, chunk = block_size * pc.dcp, max_num_batched_tokens or max_model_len
+    blocks_per_seq = groups.blocks_for(max_model_len, vbs, chunk) + (1 if groups.sliding else 0)  # + the null block
     state_bytes = max_num_seqs * cfg.linear_state_bytes(pc.tp)
     budget = kv_bytes_per_device(requested, utilization, mesh, max_num_seqs * blocks_per_seq * per_block + state_bytes,
                                  one_sequence=blocks_per_seq * per_block + state_bytes)
@@ -103,14 +109,32 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
                              "kv_cache_memory_bytes")
     kv = kv_cache_layout(cfg, pc, block_size=block_size, dtype=dtype, bytes_per_device=budget - state_bytes,
                          extra_bytes_per_block=draft_bytes_per_block)
-    tokens = kv.num_blocks * block_size * pc.dcp
-    per_device = kv.num_blocks * kv.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups)
+    tokens = kv_cache_tokens(cfg, kv.num_blocks, block_size, pc.dcp, chunk)
+    per_device = kv.num_blocks * kv.bytes_per_block_per_device(groups.size, pc.kv_head_groups)
     logger.info("TP %d, DCP %d over %d %s device(s): mesh %s, its axes (TP // DCP, DCP)", pc.tp, pc.dcp, pc.tp,
                 mesh.devices.flat[0].platform, dict(mesh.shape))
-    logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)", tokens, kv.num_blocks,
-                block_size, pc.dcp, per_device / 2**20)
+    if groups.sliding:
+        windows = sorted({w for w in groups.windows if w is not None})
+        logger.info("KV cache size: %d tokens of one sequence (%d blocks of %d x DCP %d, each %d layers of one of %d "
+                    "groups; sliding groups (window %s) keep only the blocks their window reaches; %.1f MiB per "
+                    "device)", tokens, kv.num_blocks, block_size, pc.dcp, groups.size, groups.num_groups,
+                    "/".join(map(str, windows)), per_device / 2**20)
+    else:
+        logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)", tokens, kv.num_blocks,
+                    block_size, pc.dcp, per_device / 2**20)
     if blocks_per_seq > kv.num_blocks:
         raise ValueError(f"max_model_len={max_model_len} needs {blocks_per_seq} KV blocks but the cache holds "
                          f"{kv.num_blocks} ({tokens} tokens) — raise kv_cache_memory_bytes (--kv-cache-memory-bytes) "
                          "or lower max_model_len (--max-model-len)")
-    return kv, budget
+    return kv, budget, tokens
+
+
+def kv_cache_tokens(cfg: ModelConfig, num_blocks: int, block_size: int, dcp: int, chunk: int,
+                    most: int = 1 << 40) -> int:
+    """The cache's size in tokens: every block's positions (num_blocks x block_size x DCP), or with
+    sliding-window groups the longest one sequence whose full groups' blocks and sliding groups'
+    windows fit (at most `most`)."""
+    groups = KVCacheGroups.of(cfg)
+    if not groups.sliding:
+        return num_blocks * block_size * dcp
+    return groups.longest_sequence(num_blocks - 1, block_size * dcp, chunk, most)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from dcpjax.kernels.kv_cache import FP8
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import kv_head_slots
 
@@ -47,9 +48,10 @@ def kv_block_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, dt
 def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,
                     dtype, extra_bytes_per_block: int = 0) -> KVCacheLayout:
     """Blocks that fit `bytes_per_device` of KV on each device (`extra_bytes_per_block`: what
-    another cache with the same block ids, a draft model's, takes per block)."""
+    another cache with the same block ids, a draft model's, takes per block). A block id holds the
+    layers of one KV cache group (`models.kv_groups`: all KV layers without sliding windows)."""
     layout = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype)
-    per_block = layout.bytes_per_block_per_device(cfg.num_kv_layers, pc.kv_head_groups) + extra_bytes_per_block
+    per_block = layout.bytes_per_block_per_device(KVCacheGroups.of(cfg).size, pc.kv_head_groups) + extra_bytes_per_block
     layout.num_blocks = int(bytes_per_device // per_block)
     if layout.num_blocks < 1:
         raise ValueError(f"kv_cache_memory_bytes={bytes_per_device} holds no block ({per_block} bytes per block "

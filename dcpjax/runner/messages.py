@@ -62,9 +62,10 @@ class ScheduledCall(NamedTuple):
     """One model call of a step, as the scheduler hands it to the runner (a step has up to three: its
     prefill chunks, its prompt-logprobs chunks, its decode rows).
 
-    block_tables [chunks, blocks]: row i is chunk i's request's block table, every block it holds
-    (a read-only copy; entries past its blocks are left over, and no query reaches them); chunk i
-    reaches the first `layout.blocks_needed(start + count, block_size, dcp)` of them.
+    block_tables [chunks, groups, blocks]: row i is chunk i's request's block tables, one per KV cache
+    group (`models.kv_groups`), every block it holds (a read-only copy; entries past its blocks are
+    left over, and no query reaches them; a sliding group's entries behind its window are
+    `NULL_BLOCK`); chunk i reaches the first `layout.blocks_needed(start + count, block_size, dcp)`.
     greedy: sample every chunk by argmax and report no logprobs (a draft model's proposals).
     """
 

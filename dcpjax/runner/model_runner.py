@@ -33,6 +33,7 @@ from dcpjax.kernels import AttentionOptions, KVPools, LinearState
 from dcpjax.models.base import StepBatch, StepContext
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.gated_delta import CHUNK
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.models.registry import param_specs
 from dcpjax.runner import step_input
 from dcpjax.runner.call_builder import CallBuilder, PreparedCall
@@ -74,9 +75,11 @@ class ModelRunner:
         options = AttentionOptions(backend=attention_backend, platform=mesh.devices.flat[0].platform)
         self.ctx = StepContext(pc=pc, attention=options)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        # per layer: the paged KV pools, or a linear-attention layer's state per slot
+        # per owner layer (`kv_groups`; every layer without sliding-window layers): the paged KV pools,
+        # or a linear-attention layer's state per slot
+        self.kv_groups = KVCacheGroups.of(cfg)
         self.kv_caches = tuple(self._empty_state() if cfg.is_linear(i) else self._empty_cache()
-                               for i in range(cfg.num_hidden_layers))
+                               for i in self.kv_groups.owners)
         # the last token sampled for each slot (a running sequence's row in this buffer)
         self.slot_tokens = jax.device_put(np.zeros(max_num_seqs, np.int32), self.replicated)
         # the logits processors' rows of every slot ([max_num_seqs, vocab] x 9 bytes): always there,
@@ -100,6 +103,16 @@ class ModelRunner:
         # prefill/decode disaggregation: the KV connector's worker side (`kv_transfer.worker_side`, set by
         # the connector, which the runner does not import): saves and loads of whole prompts' KV
         self.kv_connector = None
+
+    def kv_cache_info(self) -> dict:
+        """Its blocks (`num_blocks` of `block_size` tokens per DCP rank, each holding `layers_per_block`
+        layers of one of `num_groups` KV cache groups, `models.kv_groups`), the sliding groups' windows,
+        the KV dtype and the bytes per device."""
+        kv, groups = self.kv_layout, self.kv_groups
+        return dict(num_blocks=kv.num_blocks, block_size=kv.block_size, layers_per_block=groups.size,
+                    num_groups=groups.num_groups, sliding_groups=sum(w is not None for w in groups.windows),
+                    sliding_windows=sorted({w for w in groups.windows if w is not None}), dtype=kv.dtype,
+                    bytes_per_device=kv.num_blocks * kv.bytes_per_block_per_device(groups.size, self.pc.kv_head_groups))
 
     def _zeros(self, shape, dtype, spec):
         """A sharded array of zeros, `shape` being each device's part. Made by a shard_map like the

@@ -72,11 +72,12 @@ class ShapeGrid:
     whole_table: bool = False
     verify_chunk: int = 0
     packed_align: int = 1  # a packed call's sequences start at multiples of this (linear attention's chunk)
+    kv_groups: int = 1  # block tables per row: one per KV cache group (`models.kv_groups`)
 
     @classmethod
     def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, prompt_logprobs_tokens: int,
               blocks_per_seq: int, block_size: int, dcp: int, whole_table: bool,
-              num_speculative_tokens: int = 0, packed_align: int = 1) -> ShapeGrid:
+              num_speculative_tokens: int = 0, packed_align: int = 1, kv_groups: int = 1) -> ShapeGrid:
         """The grid of an engine. whole_table: attention walks only the pages within bounds (one width)."""
         floor = pow2_at_least(-(-MIN_WIDTH_TOKENS // block_size))
         widths = lambda top: (top,) if whole_table else tuple(
@@ -95,6 +96,7 @@ class ShapeGrid:
             whole_table=whole_table,
             verify_chunk=1 + num_speculative_tokens if num_speculative_tokens else 0,
             packed_align=packed_align,
+            kv_groups=kv_groups,
         )
 
     # -- rounding a call onto the grid -------------------------------------------------------------
@@ -126,13 +128,13 @@ class ShapeGrid:
     def rows_call(self, rows: int, pages: int, chunk: int = 1, verify: bool = False) -> CallShape:
         """The shape of a decode (chunk 1), verify or catch-up (chunk 1 + k) call."""
         b = self.row_bucket(rows)
-        return CallShape("verify" if verify else "decode", b, chunk, self.width_bucket(pages), b)
+        return CallShape("verify" if verify else "decode", b, chunk, self.width_bucket(pages), b, self.kv_groups)
 
     def packed_call(self, tokens: int, pages: int, prompt: bool = False) -> CallShape:
         """The shape of a packed call of `tokens` tokens over `pages` concatenated pages."""
         n = self.token_bucket(tokens, prompt)
         return CallShape("prompt" if prompt else "prefill", 1, n, self.width_bucket(pages, packed=True),
-                         self.packed_samples(n))
+                         self.packed_samples(n), self.kv_groups)
 
     # -- every shape a runner can meet (for the precompile) ------------------------------------------
     def _least_pages(self, tokens: int) -> int:

@@ -11,7 +11,9 @@ Two layouts (`CallShape.kind`), both a grid of B rows x T tokens:
                        each token's next prompt token (`targets`).
 
     flat = [tokens | positions | from_slot | seq_slots | page_offsets (packed) | targets (prompt)]  each [B * T]
-         + [block tables [B, W]] + [fields [R, F]]
+         + [block tables [G, B, W]] + [fields [R, F]]
+
+G: one block table per KV cache group (`models.kv_groups`; 1 without sliding-window layers).
 
 A padding token has position -1 (never stored, sees nothing) and seq_slot num_slots (no state);
 a padding sampling row has slot = num_slots (its writes are dropped). `seq_slots` is each token's
@@ -35,7 +37,8 @@ class CallShape(NamedTuple):
     """The static shape of one model call: its compile key (`dcpjax.runner.shape_grid`).
 
     kind: "decode" | "verify" | "prefill" | "prompt" (see the module docstring); rows: B;
-    chunk: T tokens per row; width: W block-table entries per row; samples: R sampling rows.
+    chunk: T tokens per row; width: W block-table entries per row and group; samples: R sampling
+    rows; groups: G block tables per row.
     """
 
     kind: str
@@ -43,6 +46,7 @@ class CallShape(NamedTuple):
     chunk: int
     width: int
     samples: int
+    groups: int = 1
 
     @property
     def packed(self) -> bool:
@@ -63,7 +67,11 @@ class CallShape(NamedTuple):
     def size(self) -> int:
         """Length of the flat array."""
         tokens = self.rows * self.chunk
-        return len(self.token_arrays) * tokens + self.rows * self.width + self.samples * len(FIELDS)
+        return len(self.token_arrays) * tokens + self.tables_size + self.samples * len(FIELDS)
+
+    @property
+    def tables_size(self) -> int:
+        return self.groups * self.rows * self.width
 
 
 class StepFields(NamedTuple):
@@ -94,7 +102,7 @@ REQUEST_FIELDS = FIELDS[COLUMN["temperature"] : COLUMN["wants_logprobs"] + 1]  #
 
 
 class StepInput(NamedTuple):
-    """The unpacked call on the device: per-token arrays [B, T], block tables [B, W], the fields [R]."""
+    """The unpacked call on the device: per-token arrays [B, T], block tables [G, B, W], the fields [R]."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -113,10 +121,10 @@ def unpack(flat: jax.Array, shape: CallShape) -> StepInput:
     for name in shape.token_arrays:
         arrays[name] = flat[offset : offset + n].reshape(b, t)
         offset += n
-    tables = flat[offset : offset + b * shape.width].reshape(b, shape.width)
+    tables = flat[offset : offset + shape.tables_size].reshape(shape.groups, b, shape.width)
     return StepInput(arrays["tokens"], arrays["positions"], arrays["from_slot"], arrays["seq_slots"],
                      arrays.get("page_offsets"), arrays.get("targets"), tables,
-                     unpack_fields(flat[offset + b * shape.width :]))
+                     unpack_fields(flat[offset + shape.tables_size :]))
 
 
 def unpack_fields(meta: jax.Array) -> StepFields:
@@ -141,7 +149,7 @@ def request_values(params, seed: int, uses_state: bool) -> np.ndarray:
 class PackedCall:
     """The host side: a flat array for `shape` to fill by name (padding everywhere to start with).
 
-    Per-token arrays are [B, T] views, the block tables a [B, W] view, a field a column of the
+    Per-token arrays are [B, T] views, the block tables a [G, B, W] view, a field a column of the
     [R, F] view; n of the R sampling rows are real."""
 
     def __init__(self, shape: CallShape, num_rows: int, num_slots: int):
@@ -152,8 +160,9 @@ class PackedCall:
         for name in shape.token_arrays:
             self._tokens[name] = self.array[offset : offset + b * t].reshape(b, t)
             offset += b * t
-        self.block_tables = self.array[offset : offset + b * shape.width].reshape(b, shape.width)
-        self._meta = self.array[offset + b * shape.width :].reshape(shape.samples, len(FIELDS))
+        end = offset + shape.tables_size
+        self.block_tables = self.array[offset:end].reshape(shape.groups, b, shape.width)
+        self._meta = self.array[end:].reshape(shape.samples, len(FIELDS))
         for name in ("positions", "from_slot", "targets"):
             if name in self._tokens:
                 self._tokens[name][:] = -1

@@ -34,6 +34,7 @@ from flax import nnx
 from dcpjax.loader.model_loader import load_model
 from dcpjax.loader.model_source import model_source
 from dcpjax.models.config import ModelConfig
+from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.runner.kv_layout import KVCacheLayout, kv_block_layout
 from dcpjax.runner.model_runner import ModelRunner
 from dcpjax.runner.shape_grid import ShapeGrid
@@ -127,6 +128,10 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
     for max_model_len, no linear-attention state (ValueError naming the draft otherwise)."""
     spec.check_draft_tp(pc.tp)
     model = spec.model
+    if KVCacheGroups.of(target).windows[0] is not None:
+        raise ValueError("speculative_config: a draft model shares the target's first KV cache group's blocks, and "
+                         f"every layer of {target.architecture} has a sliding window (its blocks behind the window "
+                         "are freed): use method 'ngram', or no speculative_config")
     source = model_source(model, pc, seed, with_tokenizer=False)
     cfg = source.config
     if cfg.vocab_size != target.vocab_size:
@@ -139,6 +144,9 @@ def load_draft_model(spec: SpeculativeConfig, target: ModelConfig, max_model_len
     if cfg.is_hybrid:  # its state would run on past rejected drafts, and it has no state slots
         raise ValueError(f"speculative_config model {model!r} is a hybrid ({cfg.architecture}): a draft model "
                          "must keep only a KV cache; pick a Llama / Qwen / DeepSeek / Gemma-family draft")
+    if KVCacheGroups.of(cfg).sliding:  # its layers would need block tables of their own (`models.kv_groups`)
+        raise ValueError(f"speculative_config model {model!r} has sliding-window layers: a draft model reads the "
+                         "target's full-attention block table; pick a draft without sliding windows")
     try:
         loaded = load_model(cfg, pc, mesh, dtype, source.weights, is_gguf=source.is_gguf,
                             checkpoint=source.checkpoint_quantization, label="Draft model")
