@@ -316,7 +316,8 @@ def report(r: dict) -> str:
     lines = [
         (f"{r['model']} on {r['devices']} (jax {r['jax']}), TP {r['tp']} DCP {r['dcp']}: {r['num_prompts']} prompts x "
          f"({r['input_len']} in, {r['output_len']} out), {'async' if r['async_scheduling'] else 'sync'} scheduling"),
-        (f"output throughput: {r['output_throughput']:,.0f} tokens/s   requests: {r['request_throughput']:.2f}/s   "
+        (f"output throughput: {r['output_throughput']:,.{0 if r['output_throughput'] >= 100 else 2}f} tokens/s   "
+         f"requests: {r['request_throughput']:.2f}/s   "
          f"elapsed {r['elapsed_s']:.3f} s (median of {r['num_iters']}), "
          f"{t['steps']} steps ({t['model_calls']} model calls), "
          f"recompilations while timed: {r['recompilations']}"),
