@@ -72,3 +72,19 @@ def test_gguf_fields_as_llama_cpp_hard_codes_them():
     assert gemma3_gguf_fields(big, 62)["query_pre_attn_scalar"] == 168  # 27B: hidden / heads
     windowless = gemma3_gguf_fields({k: v for k, v in meta.items() if "sliding" not in k}, 18)
     assert windowless["sliding_window_pattern"] == 1 and "sliding_window" not in windowless
+
+
+def test_a_multimodal_checkpoints_text_config_reads_with_the_text_models_defaults():
+    """Gemma 3 4B's config.json as published: `Gemma3ForConditionalGeneration` with a nested text_config
+    naming only what differs from Gemma3TextConfig's defaults; the text model is read, the outer eos ids win."""
+    published = {"architectures": ["Gemma3ForConditionalGeneration"], "eos_token_id": [1, 106],
+                 "model_type": "gemma3", "vision_config": {"hidden_size": 1152, "model_type": "siglip_vision_model"},
+                 "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                 "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                 "sliding_window": 1024}}
+    cfg = ModelConfig.from_hf(published)
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.eos_token_id == (1, 106)
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, cfg.vocab_size) == (2560, 34, 8, 4, 256, 262_208)
+    assert cfg.layer_types[:6] == (S, S, S, S, S, F) and cfg.window_of(0) == 1024
+    assert cfg.rope_of(5).factor == 8.0 and cfg.rope_of(5).theta == 1e6 and cfg.rope_of(0).theta == 1e4

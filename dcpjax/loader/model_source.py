@@ -21,9 +21,9 @@ import pathlib
 import uuid
 from collections.abc import Callable
 
-from dcpjax.loader.tensor_source import SafetensorsSource, TensorSource
+from dcpjax.loader.tensor_source import RenamedSource, SafetensorsSource, TensorSource
 from dcpjax.loader.weights import random_checkpoint
-from dcpjax.models.config import TINY_MODELS, ModelConfig
+from dcpjax.models.config import TINY_MODELS, ModelConfig, text_part
 from dcpjax.quantization.formats import CheckpointQuantization
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.text.tokenizer import ByteTokenizer, load_tokenizer
@@ -200,6 +200,14 @@ def has_random_weights(model: str, load_format: str = "auto") -> bool:
     return load_format == "dummy" or resolve(model)[0] == "tiny"
 
 
+def _folder_weights(path: str) -> TensorSource:
+    """A Hugging Face folder's safetensors; a multimodal checkpoint's text model's tensors only, named as
+    its text-only architecture names them (`models.config.TextPart`)."""
+    part = text_part(json.loads((pathlib.Path(path) / "config.json").read_text()))
+    source = SafetensorsSource(path)
+    return source if part is None else RenamedSource(source, part.tensor_name)
+
+
 def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | None = None,
                  with_tokenizer: bool = True, load_format: str = "auto") -> ModelSource:
     """Resolve `model` (see the module docstring). `tokenizer`: a Hugging Face folder to use
@@ -223,7 +231,7 @@ def model_source(model: str, pc: ParallelConfig, seed: int, tokenizer: str | Non
         cfg, own_tokenizer, weights = TINY_MODELS[model], ByteTokenizer, None
     elif kind == "hf":
         cfg, own_tokenizer, weights = ModelConfig.from_pretrained(path), lambda: load_tokenizer(path), \
-            lambda: SafetensorsSource(path)
+            lambda: _folder_weights(path)
     elif kind == "gguf":
         cfg, own_tokenizer, weights = ModelConfig.from_hf(gguf_loader.hf_config(path)), \
             lambda: gguf_loader.tokenizer(path), lambda: gguf_loader.GGUFSource(path)

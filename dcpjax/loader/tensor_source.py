@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +69,33 @@ class DictSource(TensorSource):
 
     def read(self, name, index):
         return np.asarray(self.tensors[name][index])
+
+
+class RenamedSource(TensorSource):
+    """Another source's tensors under new names (`rename`: its name -> ours, None to hide it): the
+    text model of a multimodal checkpoint (`models.config.TextPart`)."""
+
+    def __init__(self, source: TensorSource, rename: Callable[[str], str | None]):
+        self.source = source
+        self._theirs = {ours: name for name in source.names() if (ours := rename(name)) is not None}
+
+    def names(self):
+        return set(self._theirs)
+
+    def shape(self, name):
+        return self.source.shape(self._theirs[name])
+
+    def dtype(self, name):
+        return self.source.dtype(self._theirs[name])
+
+    def read(self, name, index):
+        return self.source.read(self._theirs[name], index)
+
+    def format(self, name):
+        return self.source.format(self._theirs[name])
+
+    def read_part(self, name, index, part):
+        return self.source.read_part(self._theirs[name], index, part)
 
 
 class SafetensorsSource(TensorSource):

@@ -190,6 +190,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
         """From a parsed `config.json`; ValueError names an unsupported architecture or field."""
+        if (part := text_part(config)) is not None:  # a multimodal checkpoint: its text model
+            config = part.config(config)
         architectures = config.get("architectures") or []
         architecture = architectures[0] if architectures else None
         if architecture not in _FAMILY_FIELDS:
@@ -266,6 +268,44 @@ def _shared_fields(config: dict[str, Any]) -> dict[str, Any]:
 ConfigFields = Callable[[str, dict[str, Any]], dict[str, Any]]
 _FAMILY_FIELDS: dict[str, ConfigFields] = {}  # every supported architecture, in the registry's order
 
+
+@dataclasses.dataclass(frozen=True)
+class TextPart:
+    """The text model inside a multimodal checkpoint (Gemma 3's 4B to 27B: `Gemma3ForConditionalGeneration`),
+    read as its text-only architecture when its tensors are that model's under a prefix.
+
+    architecture: the text model's; defaults: its config class's defaults, for the fields a nested
+    `text_config` leaves out; prefixes: (checkpoint prefix, the text model's prefix) of its tensors,
+    the first that matches renames a tensor, tensors no prefix matches (the vision tower) are not read.
+    """
+
+    architecture: str
+    defaults: Mapping[str, Any]
+    prefixes: tuple[tuple[str, str], ...]
+
+    def config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The text model's config.json: the defaults, its `text_config`, the outer eos ids if set."""
+        text = {**self.defaults, **(config.get("text_config") or {}), "architectures": [self.architecture]}
+        if config.get("eos_token_id") is not None:
+            text["eos_token_id"] = config["eos_token_id"]
+        return text
+
+    def tensor_name(self, name: str) -> str | None:
+        """The text model's name of checkpoint tensor `name`, None if it is not the text model's."""
+        for prefix, ours in self.prefixes:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
+        return None
+
+
+_TEXT_PARTS: dict[str, TextPart] = {}  # multimodal architectures whose text model dcpjax reads
+
+
+def text_part(config: dict[str, Any]) -> TextPart | None:
+    """The `TextPart` of a parsed config.json whose architecture is a multimodal wrapper, else None."""
+    architectures = config.get("architectures") or []
+    return _TEXT_PARTS.get(architectures[0]) if architectures else None
+
 # Byte-level tokenizer of the built-in tiny models: ids 0..255 are bytes, then BOS and EOS; vocab padded to 264.
 BYTE_VOCAB, BYTE_BOS, BYTE_EOS = 264, 256, 257
 # Built-in tiny configurations with random weights (the embedded default runs anywhere), each
@@ -274,9 +314,12 @@ TINY_MODELS: dict[str, ModelConfig] = {}
 
 
 def register_architectures(architectures: Iterable[str], config_fields: ConfigFields,
-                           tiny_models: Mapping[str, ModelConfig] | None = None) -> None:
-    """Make `from_hf` read a family's architectures and list its tiny models (the registry calls
-    this once per family: this module knows none itself, so the families can import it)."""
+                           tiny_models: Mapping[str, ModelConfig] | None = None,
+                           text_parts: Mapping[str, TextPart] | None = None) -> None:
+    """Make `from_hf` read a family's architectures (and the multimodal ones whose text model it
+    reads) and list its tiny models (the registry calls this once per family: this module knows
+    none itself, so the families can import it)."""
     for architecture in architectures:
         _FAMILY_FIELDS[architecture] = config_fields
     TINY_MODELS.update(tiny_models or {})
+    _TEXT_PARTS.update(text_parts or {})

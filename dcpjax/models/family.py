@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dcpjax.models.base import CausalLM
-from dcpjax.models.config import ConfigFields, ModelConfig
+from dcpjax.models.config import ConfigFields, ModelConfig, TextPart
 from dcpjax.models.weight_rules import Rule
 from dcpjax.sharding.config import ParallelConfig
 
@@ -60,3 +60,4 @@ class ModelFamily:
     config_fields: ConfigFields = no_own_fields  # its own fields, and its checks (ValueError), over the shared ones
     gguf: Mapping[str, GGUFArchitecture] = dataclasses.field(default_factory=dict)
     tiny_models: Mapping[str, ModelConfig] = dataclasses.field(default_factory=dict)
+    text_parts: Mapping[str, TextPart] = dataclasses.field(default_factory=dict)  # multimodal wrappers it reads

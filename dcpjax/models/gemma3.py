@@ -23,7 +23,15 @@ from typing import Any
 
 from dcpjax.models.base import CausalLM, DecoderLayer
 from dcpjax.models.component_rules import decoder_rules, gqa_attention_rules, mlp_rules
-from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig, RopeConfig
+from dcpjax.models.config import (
+    BYTE_EOS,
+    BYTE_VOCAB,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelConfig,
+    RopeConfig,
+    TextPart,
+)
 from dcpjax.models.family import GGUFArchitecture, ModelFamily
 from dcpjax.models.llama import LlamaAttention, llama_mlp
 from dcpjax.models.weight_rules import Rule, same
@@ -31,6 +39,22 @@ from dcpjax.sharding.config import ParallelConfig
 
 LOCAL_ROPE_THETA = 10000.0  # the sliding layers' RoPE base where a config does not say (transformers' default)
 GEMMA3_27B_LAYERS = 62  # llama.cpp tells Gemma 3 27B (softmax scale (hidden / heads) ** -0.5) by its layer count
+
+
+# Gemma 3's 4B, 12B and 27B checkpoints: a vision tower beside the text model, whose nested `text_config`
+# lists only what differs from transformers' Gemma3TextConfig defaults (5.x: these); text-only inputs
+# (no image tokens) make the text model alone. Tensors: "language_model.model." as released,
+# "model.language_model." as transformers 5 saves them.
+GEMMA3_TEXT = TextPart(
+    "Gemma3ForCausalLM",
+    defaults={"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+              "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
+              "eos_token_id": 1, "bos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": True,
+              "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256,
+              "sliding_window": 4096, "sliding_window_pattern": 6},
+    prefixes=(("language_model.model.", "model."), ("model.language_model.", "model."),
+              ("language_model.lm_head.", "lm_head."), ("lm_head.", "lm_head.")))
 
 
 class GemmaForCausalLM(CausalLM):
@@ -146,6 +170,7 @@ FAMILY = ModelFamily(
     model_class=GemmaForCausalLM,
     checkpoint_rules=gemma_checkpoint_rules,
     config_fields=gemma_config_fields,
+    text_parts={"Gemma3ForConditionalGeneration": GEMMA3_TEXT},
     # llama.cpp's converter stores Gemma's norm weights as 1 + w (`norm_offset` below)
     gguf={"gemma3": GGUFArchitecture(
         "Gemma3ForCausalLM", rope_theta=1000000.0, norm_offset=1.0, extra_fields=gemma3_gguf_fields,

@@ -51,7 +51,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {name: arch for family in FAMI
 def _register(families: tuple[ModelFamily, ...]) -> None:
     """Tell the config reader each family's architectures, own fields and tiny models."""
     for family in families:
-        register_architectures(family.architectures, family.config_fields, family.tiny_models)
+        register_architectures(family.architectures, family.config_fields, family.tiny_models, family.text_parts)
 
 
 _register(FAMILIES)
