@@ -110,7 +110,7 @@ class BlockPool:
                  windows: Seq[int | None] = (None,)):
         self.num_blocks, self.virtual_block_size = num_blocks, virtual_block_size
         self.enable_caching, self.windows = enable_caching, tuple(windows)
-        self.reserved = 1 if any(w is not None for w in self.windows) else 0  # the null block
+        self.reserved = 1 if any(w is not None for w in self.windows) else 0  # `KVCacheGroups.reserved_blocks`
         if num_blocks <= self.reserved:
             raise ValueError(f"a KV cache of {num_blocks} block(s) holds nothing: raise kv_cache_memory_bytes")
         self.ref_counts = [0] * num_blocks

@@ -46,8 +46,7 @@ class StepBatch:
     tokens, positions, valid: [B, T] (padding has valid False); positions are each token's
     position in its own sequence. sample_index: [R], the flat indices (b * T + t) of the tokens
     whose next-token logits are wanted. block_tables: [G, B, P], one table per KV cache group
-    (`models.kv_groups`; [B, P] is taken as one group), shared by all DCP ranks; a layer sees its
-    group's (`for_group`).
+    (`models.kv_groups`), shared by all DCP ranks; a layer sees its group's (`for_group`).
     seq_slots: [B, T], the engine slot of each token's sequence (num_slots for padding): where
     a linear-attention layer keeps that sequence's state.
     page_offsets: None, or [B, T] for packed rows (several sequences' chunks in one row, their
@@ -78,10 +77,9 @@ class StepBatch:
 
     def on_rank(self, block_size: int, pc: ParallelConfig) -> StepBatch:
         """This DCP rank's slots for the step's tokens in every group's blocks (inside shard_map)."""
-        tables = self.block_tables if self.block_tables.ndim == 3 else self.block_tables[None]
         slots = jnp.stack([owned_slots(self.positions, table, block_size, pc, valid=self.valid,
-                                       page_offsets=self.page_offsets).reshape(-1) for table in tables])
-        return dataclasses.replace(self, block_tables=tables, slots=slots)
+                                       page_offsets=self.page_offsets).reshape(-1) for table in self.block_tables])
+        return dataclasses.replace(self, slots=slots)
 
     def for_group(self, group: int) -> StepBatch:
         """The batch as a layer of KV cache group `group` sees it: block_tables [B, P], slots [B * T]."""

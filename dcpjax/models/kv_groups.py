@@ -68,6 +68,25 @@ class KVCacheGroups:
         """Some group frees blocks behind a window (then block `NULL_BLOCK` is reserved)."""
         return any(w is not None for w in self.windows)
 
+    @property
+    def reserved_blocks(self) -> int:
+        """Block ids no sequence can hold: the null block, with sliding groups."""
+        return 1 if self.sliding else 0
+
+    @property
+    def full_layers(self) -> int:
+        """Layers in full-attention groups: what one more token of context costs."""
+        return sum(len(layers) for layers, w in zip(self.layers, self.windows) if w is None)
+
+    @property
+    def num_sliding_groups(self) -> int:
+        return sum(w is not None for w in self.windows)
+
+    @property
+    def sliding_windows(self) -> list[int]:
+        """The distinct windows of the sliding groups, ascending."""
+        return sorted({w for w in self.windows if w is not None})
+
     @functools.cached_property
     def group_of(self) -> dict[int, int]:
         """Layer -> its group (KV layers only)."""

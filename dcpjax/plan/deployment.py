@@ -23,8 +23,8 @@ from dcpjax.engine.preflight import expert_parallel_problem
 from dcpjax.loader.model_loader import planned_weight_bytes
 from dcpjax.models.config import ModelConfig
 from dcpjax.models.kv_groups import KVCacheGroups
+from dcpjax.plan.kv_capacity import kv_capacity
 from dcpjax.plan.units import FP8, GB
-from dcpjax.runner.kv_budget import kv_cache_tokens
 from dcpjax.runner.kv_layout import kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
 
@@ -160,17 +160,15 @@ def memory_plan(d: Deployment) -> dict:
         raise ValueError(f"{d.name}: {held} exceed {d.memory_utilization:.0%} of {d.device_memory_bytes / GB:.0f} GB; "
                          f"{fix} (python -m dcpjax.plan --model FILE says what fits)")
     kv = kv_cache_layout(cfg, pc, block_size=d.block_size, bytes_per_device=budget, dtype=kv_dtype(d.kv_cache_dtype))
-    groups = KVCacheGroups.of(cfg)  # with sliding windows a block holds one group's layers
-    per_block = kv.bytes_per_block_per_device(groups.size, pc.kv_head_groups)
-    full_layers = sum(len(g) for g, w in zip(groups.layers, groups.windows) if w is None)
+    per_block = kv.bytes_per_block_per_device(KVCacheGroups.of(cfg).size, pc.kv_head_groups)  # one group's layers
+    capacity = kv_capacity(cfg, kv.num_blocks, per_block, d.block_size, pc.dcp, per_seq=1)
     return dict(
         name=d.name, tp=pc.tp, dcp=pc.dcp, hosts=d.hosts,
         weight_gb_per_device=weights / GB,
         state_gb_per_device=state / GB,
         kv_budget_gb_per_device=budget / GB,
-        kv_bytes_per_token_per_device=per_block / groups.size * full_layers / d.block_size / pc.dcp,
-        kv_cache_size_tokens=kv_cache_tokens(cfg, kv.num_blocks, d.block_size, pc.dcp,
-                                             EngineArgs.max_num_batched_tokens),
+        kv_bytes_per_token_per_device=capacity.bytes_per_token,
+        kv_cache_size_tokens=capacity.tokens,
     )
 
 

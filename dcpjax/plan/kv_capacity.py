@@ -36,13 +36,11 @@ def kv_capacity(cfg: ModelConfig, num_blocks: int, per_block: int, block_size: i
     DCP rank) for sequences of `per_seq` tokens."""
     groups = KVCacheGroups.of(cfg)
     per_layer_token = per_block / groups.size / block_size / dcp
-    full_layers = sum(len(g) for g, w in zip(groups.layers, groups.windows) if w is None)
-    if not groups.sliding:
-        tokens = num_blocks * block_size * dcp
-        return KVCapacity(tokens, tokens // per_seq, per_layer_token * groups.size, per_layer_token)
     tokens = kv_cache_tokens(cfg, num_blocks, block_size, dcp, PLAN_CHUNK)
-    fit = (num_blocks - 1) // groups.blocks_for(per_seq, block_size * dcp, PLAN_CHUNK)  # block 0: the null block
-    return KVCapacity(tokens, fit, per_layer_token * full_layers, per_layer_token)
+    if not groups.sliding:
+        return KVCapacity(tokens, tokens // per_seq, per_layer_token * groups.size, per_layer_token)
+    fit = (num_blocks - groups.reserved_blocks) // groups.blocks_for(per_seq, block_size * dcp, PLAN_CHUNK)
+    return KVCapacity(tokens, fit, per_layer_token * groups.full_layers, per_layer_token)
 
 
 def kv_read_bytes(cfg: ModelConfig, capacity: KVCapacity, batch: int, context: float) -> float:

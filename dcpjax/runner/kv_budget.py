@@ -96,7 +96,7 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
     per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=dtype).bytes_per_block_per_device(
         groups.size, pc.kv_head_groups) + draft_bytes_per_block
     vbs, chunk = block_size * pc.dcp, max_num_batched_tokens or max_model_len
-    blocks_per_seq = groups.blocks_for(max_model_len, vbs, chunk) + (1 if groups.sliding else 0)  # + the null block
+    blocks_per_seq = groups.blocks_for(max_model_len, vbs, chunk) + groups.reserved_blocks  # + the null block
     state_bytes = max_num_seqs * cfg.linear_state_bytes(pc.tp)
     budget = kv_bytes_per_device(requested, utilization, mesh, max_num_seqs * blocks_per_seq * per_block + state_bytes,
                                  one_sequence=blocks_per_seq * per_block + state_bytes)
@@ -114,11 +114,10 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
     logger.info("TP %d, DCP %d over %d %s device(s): mesh %s, its axes (TP // DCP, DCP)", pc.tp, pc.dcp, pc.tp,
                 mesh.devices.flat[0].platform, dict(mesh.shape))
     if groups.sliding:
-        windows = sorted({w for w in groups.windows if w is not None})
         logger.info("KV cache size: %d tokens of one sequence (%d blocks of %d x DCP %d, each %d layers of one of %d "
                     "groups; sliding groups (window %s) keep only the blocks their window reaches; %.1f MiB per "
                     "device)", tokens, kv.num_blocks, block_size, pc.dcp, groups.size, groups.num_groups,
-                    "/".join(map(str, windows)), per_device / 2**20)
+                    "/".join(map(str, groups.sliding_windows)), per_device / 2**20)
     else:
         logger.info("KV cache size: %d tokens (%d blocks of %d x DCP %d; %.1f MiB per device)", tokens, kv.num_blocks,
                     block_size, pc.dcp, per_device / 2**20)
@@ -129,12 +128,11 @@ def size_kv_cache(cfg: ModelConfig, pc: ParallelConfig, mesh, *, max_model_len: 
     return kv, budget, tokens
 
 
-def kv_cache_tokens(cfg: ModelConfig, num_blocks: int, block_size: int, dcp: int, chunk: int,
-                    most: int = 1 << 40) -> int:
+def kv_cache_tokens(cfg: ModelConfig, num_blocks: int, block_size: int, dcp: int, chunk: int) -> int:
     """The cache's size in tokens: every block's positions (num_blocks x block_size x DCP), or with
     sliding-window groups the longest one sequence whose full groups' blocks and sliding groups'
-    windows fit (at most `most`)."""
+    windows fit."""
     groups = KVCacheGroups.of(cfg)
     if not groups.sliding:
         return num_blocks * block_size * dcp
-    return groups.longest_sequence(num_blocks - 1, block_size * dcp, chunk, most)
+    return groups.longest_sequence(num_blocks - groups.reserved_blocks, block_size * dcp, chunk, 1 << 40)

@@ -110,8 +110,8 @@ class ModelRunner:
         the KV dtype and the bytes per device."""
         kv, groups = self.kv_layout, self.kv_groups
         return dict(num_blocks=kv.num_blocks, block_size=kv.block_size, layers_per_block=groups.size,
-                    num_groups=groups.num_groups, sliding_groups=sum(w is not None for w in groups.windows),
-                    sliding_windows=sorted({w for w in groups.windows if w is not None}), dtype=kv.dtype,
+                    num_groups=groups.num_groups, sliding_groups=groups.num_sliding_groups,
+                    sliding_windows=groups.sliding_windows, dtype=kv.dtype,
                     bytes_per_device=kv.num_blocks * kv.bytes_per_block_per_device(groups.size, self.pc.kv_head_groups))
 
     def _zeros(self, shape, dtype, spec):
