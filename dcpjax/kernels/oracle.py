@@ -11,11 +11,12 @@ import numpy as np
 
 
 def attention_f64(q, k, v, lengths, sm_scale: float | None = None, window: int | None = None,
-                  softcap: float | None = None):
+                  softcap: float | None = None, visible=None):
     """q [B, Hq, dk], k [B, S, Hkv, dk], v [B, S, Hkv, dv], lengths [B]
     -> out [B, Hq, dv], lse [B, Hq] in float64; an empty sequence gives 0 and -inf.
     window: the query (at position length - 1) sees only the last `window` positions;
-    softcap: scaled scores become softcap * tanh(score / softcap) (Gemma 2)."""
+    softcap: scaled scores become softcap * tanh(score / softcap) (Gemma 2);
+    visible: optional [B, S] bool, the positions the query may see at all (sparse attention)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     _, q_heads, dk = q.shape
     seq, kv_heads = k.shape[1], k.shape[2]
@@ -28,6 +29,8 @@ def attention_f64(q, k, v, lengths, sm_scale: float | None = None, window: int |
     valid = index < lengths
     if window is not None:
         valid &= index >= lengths - window
+    if visible is not None:
+        valid &= np.asarray(visible, bool)[:, None, :]
     scores = np.where(valid, scores, -np.inf)
     peak = scores.max(axis=-1, keepdims=True)
     peak = np.where(np.isfinite(peak), peak, 0.0)
@@ -37,6 +40,26 @@ def attention_f64(q, k, v, lengths, sm_scale: float | None = None, window: int |
     with np.errstate(divide="ignore"):
         lse = np.where(total > 0, peak[..., 0] + np.log(total), -np.inf)
     return out, lse
+
+
+def index_scores_f64(q, weights, keys, lengths, scale: float):
+    """The lightning indexer in float64: q [B, Hi, d], weights [B, Hi], keys [B, S, d], lengths [B]
+    -> [B, S] scores sum_h w_h relu(q_h . k_s * scale), -inf at positions >= length."""
+    q, weights, keys = (np.asarray(x, np.float64) for x in (q, weights, keys))
+    scores = np.einsum("bh,bhs->bs", weights, np.maximum(np.einsum("bhd,bsd->bhs", q, keys) * scale, 0.0))
+    return np.where(np.arange(keys.shape[1])[None] < np.asarray(lengths)[:, None], scores, -np.inf)
+
+
+def top_k_f64(scores, k: int):
+    """[B, S] scores -> [B, k] positions of the k best, best first; ties to the lowest position; -1
+    where fewer than k positions have a finite score (those are all selected)."""
+    scores = np.asarray(scores, np.float64)
+    out = np.full((scores.shape[0], k), -1, np.int64)
+    for b, row in enumerate(scores):
+        order = np.lexsort((np.arange(len(row)), -row))  # by score descending, then position
+        best = [p for p in order[:k] if np.isfinite(row[p])]
+        out[b, : len(best)] = best
+    return out
 
 
 def causal_conv_f64(x, weight):

@@ -23,6 +23,7 @@ from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention, owned_slots
 from dcpjax.sharding.mesh import RULES, check_mesh, kv_head_slots
+from dcpjax.sharding.sparse import dcp_sparse_attention
 
 # The public op's cache is the one `KVCache` type; its arrays are global and sharded:
 #   k [kv_slots, DCP * num_blocks, block_size, dk] split P("tp", "dcp", None, None): each rank
@@ -313,3 +314,62 @@ def dcp_decode_attention(
     window = None if sliding_window is None else int(sliding_window)
     out, lse = _decode_fn(mesh, pc, RULES.kv_cache_spec(cache), options, window)(q, cache, lengths)
     return (out, lse) if return_lse else out
+
+
+# -- sparse decode attention (DSA) --------------------------------------------------
+@functools.cache
+def _sparse_decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, index_spec: KVCache, options: AttentionOptions,
+                      top_k: int, index_scale: float):
+    def body(q, cache: KVCache, index_q, index_weights, index_cache: KVCache, lengths):
+        out, lse, top = dcp_sparse_attention(q[:, None], cache, index_q[:, None], index_weights[:, None],
+                                             index_cache, lengths[:, None], pc, options, top_k, index_scale)
+        if top is None:  # dense: every position each query sees, in order
+            top = jnp.where(jnp.arange(top_k) < lengths[:, None, None], jnp.arange(top_k), -1)
+        return out[:, 0].astype(q.dtype), lse[:, 0], top[:, 0]
+
+    fn = jax.shard_map(body, mesh=mesh,
+                       in_specs=(_Q_SPEC, spec, _REPLICATED, _REPLICATED, index_spec, _REPLICATED),
+                       out_specs=(_Q_SPEC, _LSE_SPEC, _REPLICATED), check_vma=False)
+    return jax.jit(fn)
+
+
+def dcp_sparse_decode_attention(q: jax.Array, cache: KVCache, index_q: jax.Array, index_weights: jax.Array,
+                                index_cache: KVCache, lengths: jax.Array, mesh: Mesh, pc: ParallelConfig, *,
+                                top_k: int, index_scale: float, sm_scale: float | None = None):
+    """Decode attention over each sequence's top-k positions by the indexer (DeepSeek's DSA), exact
+    under DCP (`dcpjax.sharding.sparse`).
+
+    Args:
+      q, cache, lengths: as `dcp_decode_attention`.
+      index_q: [batch, index_heads, index_dim], the indexer's queries (replicated).
+      index_weights: [batch, index_heads], each indexer head's weight.
+      index_cache: the indexer's keys from `shard_kv_cache(keys [batch, seq, 1, index_dim], None,
+        v_head_dim=index_dim, ...)` with the same block size and tables as `cache`.
+      top_k: positions each query attends to; index_scale: the indexer's q . k scale.
+    Returns out [batch, q_heads, dv] (q's dtype), lse [batch, q_heads] float32 and the selected
+    positions [batch, top_k] int32, best first (ties: the lowest position), -1 where fewer exist.
+    """
+    check_mesh(mesh, pc)
+    if q.ndim != 3 or q.shape[2] != cache.k.shape[3]:
+        raise ValueError(f"q must be [batch, q_heads, {cache.k.shape[3]}], got {q.shape}")
+    if index_q.ndim != 3 or index_q.shape[0] != q.shape[0] or index_q.shape[2] != index_cache.k.shape[3]:
+        raise ValueError(f"index_q must be [batch={q.shape[0]}, index_heads, {index_cache.k.shape[3]}], "
+                         f"got {index_q.shape}")
+    if index_weights.shape != index_q.shape[:2]:
+        raise ValueError(f"index_weights must be [batch, index_heads] = {list(index_q.shape[:2])}, "
+                         f"got {list(index_weights.shape)}")
+    if index_cache.block_size != cache.block_size or index_cache.k.shape[1] != cache.k.shape[1]:
+        raise ValueError("index_cache must have the KV cache's blocks: pass the same block_size, block_tables "
+                         "and num_blocks to shard_kv_cache")
+    if isinstance(top_k, bool) or int(top_k) != top_k or top_k < 1:
+        raise ValueError(f"top_k must be a positive number of positions, got {top_k!r}")
+    pc.validate(q.shape[1], cache.num_kv_heads, use_mla=cache.use_mla)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if lengths.shape != (q.shape[0],):
+        raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
+    options = AttentionOptions(None if sm_scale is None else float(sm_scale), "reference",
+                               mesh.devices.flat[0].platform)
+    fn = _sparse_decode_fn(mesh, pc, RULES.kv_cache_spec(cache), RULES.kv_cache_spec(index_cache), options,
+                           int(top_k), float(index_scale))
+    out, lse, top = fn(q, cache, index_q, jnp.asarray(index_weights, jnp.float32), index_cache, lengths)
+    return out, lse, top

@@ -36,6 +36,14 @@ def dcp_collective_bytes(*, tp: int, dcp: int, q_heads: int, dk: int, dv: int, b
     return gather_q + merge
 
 
+def top_k_merge_bytes(*, dcp: int, batch: int, top_k: int) -> float:
+    """Bytes one device receives per decode step and sparse layer for the exact global top-k
+    (`sharding.sparse.merge_top_k`): an all_gather of every rank's top_k candidates, a float32
+    score and an int32 position each (0 at DCP 1). Added to `dcp_collective_bytes`' query gather
+    and merge, which a sparse layer keeps."""
+    return 0.0 if dcp == 1 else batch * top_k * 8 * (dcp - 1)
+
+
 def _shape_bytes(text: str) -> int:
     match = _SHAPE.search(text)
     dims = [int(d) for d in match.group(2).split(",") if d]

@@ -1,0 +1,96 @@
+"""Sparse attention under DCP (DeepSeek's DSA): an exact global top-k, then the LSE merge.
+
+Inside `shard_map` on the ("tp", "dcp") mesh. Each DCP rank holds the indexer keys of the positions
+it owns (the KV layout), so per query and layer:
+  1. every rank scores its own visible positions and keeps its local top-k (`kernels.sparse`);
+  2. one all_gather over "dcp" of each rank's k candidates, (score, position) packed in one int32
+     array, and a sort by (score descending, position ascending) on every rank give the exact
+     global top-k: an element of the global top-k has fewer than k elements above it anywhere, so
+     it is in its own rank's local top-k. Ties go to the lowest position (`jax.lax.top_k`'s rule,
+     the float64 oracle's; torch's CPU topk follows no fixed rule, see DESIGN.md);
+  3. each rank attends over the selected positions it owns (k latents read per query, not the
+     context) and `merge_over_dcp` combines the ranks as for dense attention: a rank that owns
+     none of them gives the merge's identity (out 0, lse -inf).
+A row that sees at most k positions selects all of them, so it is exactly dense. When no row of
+the call can see more than k positions (the tables are narrow), the indexer is skipped and the
+dense kernels run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dcpjax.kernels import AttentionOptions, KVCache
+from dcpjax.kernels.sparse import index_scores, local_top_k, sparse_attention_reference
+from dcpjax.sharding import layout
+from dcpjax.sharding.config import ParallelConfig
+from dcpjax.sharding.local_ops import dcp_attention
+from dcpjax.sharding.merge import merge_over_dcp
+from dcpjax.sharding.mesh import DCP_AXIS
+
+
+def merge_top_k(values: jax.Array, positions: jax.Array, top_k: int, pc: ParallelConfig
+                ) -> tuple[jax.Array, jax.Array]:
+    """The exact global top-k from every rank's local candidates.
+
+    Args:
+      values: [B, T, K] float32, this rank's local top-k scores (-inf: not a candidate).
+      positions: [B, T, K] int32, their positions in the sequence.
+    Returns:
+      selected: [B, T, K] bool, which of this rank's candidates are in the global top-k;
+      top: [B, T, min(top_k, DCP * K)] int32, the global top-k's positions best first (-1 past the
+        candidates that exist), the same on every rank.
+    """
+    if pc.dcp == 1:
+        order = jnp.where(values > -jnp.inf, positions, -1)
+        return values > -jnp.inf, order[..., :top_k]
+    # one collective: a float32 score and its int32 position travel as two int32 words
+    packed = jnp.stack([jax.lax.bitcast_convert_type(values, jnp.int32), positions], axis=-1)
+    gathered = jax.lax.all_gather(packed, DCP_AXIS, axis=2, tiled=True)  # [B, T, DCP * K, 2]
+    all_values = jax.lax.bitcast_convert_type(gathered[..., 0], jnp.float32)
+    neg, pos = jax.lax.sort((-all_values, gathered[..., 1]), dimension=-1, num_keys=2)
+    n = min(top_k, neg.shape[-1])
+    kth_value, kth_position = -neg[..., n - 1 : n], pos[..., n - 1 : n]
+    selected = (values > kth_value) | ((values == kth_value) & (positions <= kth_position))
+    top = jnp.where(neg[..., :n] < jnp.inf, pos[..., :n], -1)
+    return selected & (values > -jnp.inf), top
+
+
+def dcp_sparse_attention(q: jax.Array, kv: KVCache, index_q: jax.Array, index_weights: jax.Array,
+                         index_keys: KVCache, bounds: jax.Array, pc: ParallelConfig, options: AttentionOptions,
+                         top_k: int, index_scale: float, page_offsets: jax.Array | None = None,
+                         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Attention of this device's query heads over each query's top-k positions, merged exactly.
+
+    Args:
+      q: [B, T, q_heads / TP, dk], this device's heads.
+      kv: this rank's KV pages with block_tables [B, P] (MLA: the latent).
+      index_q: [B, T, index_heads, index_dim], the indexer's queries (all its heads, replicated).
+      index_weights: [B, T, index_heads] float32, each indexer head's weight.
+      index_keys: this rank's indexer key pages [1, num_blocks, block_size, index_dim], the same
+        tables as kv.
+      bounds: [B, T] global causal bounds; page_offsets: packed rows (`dcp_attention`).
+      top_k: positions each query attends to; index_scale: the indexer's q . k scale.
+    Returns:
+      out [B, T, q_heads / TP, dv] float32, lse [B, T, q_heads / TP] float32, and the global top-k's
+      positions [B, T, min(top_k, ...)] (best first, -1 where fewer exist), or None when the call is
+      dense (its tables hold at most top_k positions per row).
+    """
+    seen = kv.block_tables.shape[1] * kv.block_size * pc.dcp  # the most positions a row can see
+    if seen <= top_k:  # every row selects all it sees: dense is the same and cheaper
+        out, lse = dcp_attention(q, kv, bounds, pc, options, page_offsets)
+        return out, lse, None
+    if pc.dcp > 1:  # the q heads of this device's whole KV-head group
+        q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
+    rank = jax.lax.axis_index(DCP_AXIS)
+    local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
+    offset = jnp.zeros_like(local) if page_offsets is None else page_offsets * kv.block_size
+    scores = index_scores(index_q, index_weights, index_keys, offset + local, offset, index_scale)
+    values, indices = local_top_k(scores, top_k)
+    positions = layout.global_position(indices - offset[..., None], rank, pc.dcp, pc.interleave)
+    selected, top = merge_top_k(values, positions.astype(jnp.int32), top_k, pc)
+    out, lse = sparse_attention_reference(q, kv, indices, selected, options.scale(q.shape[-1]))
+    batch, queries = out.shape[:2]
+    out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
+    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1), top
