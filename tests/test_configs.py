@@ -9,10 +9,10 @@ from dcpjax.plan.deployment import Deployment, compare_with_dcp1, markdown_rows
 CONFIGS = sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.json"))
 
 
-def test_there_are_the_five_deployments():
+def test_there_are_the_seven_deployments():
     assert {p.stem for p in CONFIGS} == {
-        "qwen3-235b-a22b-tp8-dcp2", "deepseek-v3-tp8-dcp8", "kimi-k2-tp8-dcp8", "llama-3.1-70b-tp16-dcp2",
-        "qwen3-next-80b-a3b-tp8-dcp4"}
+        "qwen3-235b-a22b-tp8-dcp2", "deepseek-v3-tp8-dcp8", "deepseek-v3.2-tp8-dcp8", "glm-5-tp8-dcp8",
+        "kimi-k2-tp8-dcp8", "llama-3.1-70b-tp16-dcp2", "qwen3-next-80b-a3b-tp8-dcp4"}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

@@ -129,6 +129,9 @@ def analytic_bytes(llm, num_tokens: int) -> int:
     # drops what lands behind its own
     ("gemma3-tiny", dict(tensor_parallel_size=2),
      dict(tensor_parallel_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)),
+    # sparse attention: the indexer keys travel beside the latent (`KVPools.index_k`) and select the same top-k
+    ("deepseek-v32", dict(tensor_parallel_size=2),
+     dict(tensor_parallel_size=8, decode_context_parallel_size=4, cp_kv_cache_interleave_size=2)),
 ])
 def test_mla_and_hybrid_models(model, producer, consumer):
     p, d, alone = _engines(str(FIXTURES / model), producer, consumer)

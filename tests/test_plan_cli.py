@@ -67,6 +67,35 @@ def test_the_shipped_deepseek_file_plans_fp8_weights_at_its_tp(capsys):
     assert all(r["valid"] for r in result["sizes"])
 
 
+def test_sparse_attention_at_128k_reads_the_top_k_not_the_context(capsys):
+    """DeepSeek-V3.2 at 128k: its cache holds an indexer key per token beside the latent (more bytes per
+    token than DeepSeek-V3), a step reads every key but only 2,048 latents per layer (a
+    quarter of dense MLA's read), and DCP adds one all_gather of the top-k candidates per layer."""
+    from dcpjax.sharding.traffic import dcp_collective_bytes, top_k_merge_bytes
+
+    args = ("--input-len", "131072", "--output-len", "1024")
+    sparse = _plan(capsys, "--model", "configs/deepseek-v3.2-tp8-dcp8.json", *args)
+    dense = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", *args)
+    cfg = ModelConfig.from_hf(json.loads(open("configs/deepseek-v3.2-tp8-dcp8.json").read())["model"])
+    by_dcp = {r["dcp"]: r for r in sparse["sizes"]}
+    for dcp, row in by_dcp.items():
+        other = next(r for r in dense["sizes"] if r["dcp"] == dcp)
+        latent, key = (cfg.latent_dim, cfg.index_head_dim)
+        assert row["kv_bytes_per_token_per_device"] == other["kv_bytes_per_token_per_device"] * (latent + key) / latent
+        context, batch = 131072 + 512, row["batch"]
+        share = key / (latent + key)
+        assert row["kv_read_bytes_per_step"] == pytest.approx(
+            row["dense_kv_read_bytes_per_step"] * (share * context + (1 - share) * 2048) / ((1 - share) * context))
+        assert row["kv_read_bytes_per_step"] < row["dense_kv_read_bytes_per_step"] / 3
+        for comm, moved in row["collective_bytes_per_step"].items():
+            per_layer = dcp_collective_bytes(tp=8, dcp=dcp, q_heads=128, dk=latent, dv=cfg.kv_lora_rank, batch=batch,
+                                             q_bytes=2, comm=comm) + top_k_merge_bytes(dcp=dcp, batch=batch, top_k=2048)
+            assert moved == pytest.approx(61 * per_layer)
+    assert sparse["recommended_dcp"] == 8
+    assert "MLA over the top 2,048 positions" in sparse["reasons"][0] and "where dense MLA would read" in \
+        sparse["reasons"][0]
+
+
 def test_help_shows_every_default(capsys):
     parser = plan.build_parser()
     text = " ".join(parser.format_help().split())

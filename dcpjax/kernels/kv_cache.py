@@ -37,12 +37,16 @@ class _Pools:
     v: [kv_heads, num_blocks, block_size, dv], or None for MLA's latent form (V = K[..., :v_head_dim])
     k_scale, v_scale: [kv_heads, num_blocks, block_size] float32 for an fp8 (e4m3) cache, else None
       (MLA: v_scale None, V shares K's scales)
+    index_k: [1, num_blocks, block_size, index_dim], a sparse-attention (DSA) layer's indexer keys
+      in the same blocks (`kernels.sparse`), else None; index_k_scale its fp8 scales like k_scale.
     """
 
     k: jax.Array
     v: jax.Array | None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    index_k: jax.Array | None = None
+    index_k_scale: jax.Array | None = None
 
     @property
     def block_size(self) -> int:
@@ -75,15 +79,24 @@ class _Pools:
         v, v_scale = (None, None) if new_v is None else _store(self.v, self.v_scale, new_v, slots)
         return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
+    def write_index(self, new_keys: jax.Array, slots: jax.Array):
+        """Store N new indexer keys [N, index_dim] at flat slots [N] (negative: dropped), quantised
+        like the KV (one scale per token) when the cache is fp8."""
+        if self.index_k is None:
+            raise ValueError("this cache has no indexer keys (index_k): only a sparse-attention layer's has")
+        index_k, index_k_scale = _store(self.index_k, self.index_k_scale, new_keys[:, None], slots)
+        return dataclasses.replace(self, index_k=index_k, index_k_scale=index_k_scale)
+
     def bytes_per_device(self) -> int:
         """KV bytes (pools and scales) one device holds of these (sharded) arrays."""
-        arrays = [x for x in (self.k, self.v, self.k_scale, self.v_scale) if x is not None]
+        fields = (self.k, self.v, self.k_scale, self.v_scale, self.index_k, self.index_k_scale)
+        arrays = [x for x in fields if x is not None]
         return sum(a.addressable_shards[0].data.nbytes for a in arrays)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "k_scale", "v_scale"],
+    data_fields=["k", "v", "k_scale", "v_scale", "index_k", "index_k_scale"],
     meta_fields=["v_head_dim"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -99,12 +112,13 @@ class KVPools(_Pools):
 
     def with_block_tables(self, block_tables: jax.Array) -> KVCache:
         """The pools as the kernels read them, with this step's tables [batch, pages] int32."""
-        return KVCache(self.k, self.v, self.k_scale, self.v_scale, block_tables, v_head_dim=self.v_head_dim)
+        return KVCache(self.k, self.v, self.k_scale, self.v_scale, self.index_k, self.index_k_scale, block_tables,
+                       v_head_dim=self.v_head_dim)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k", "v", "k_scale", "v_scale", "block_tables"],
+    data_fields=["k", "v", "k_scale", "v_scale", "index_k", "index_k_scale", "block_tables"],
     meta_fields=["v_head_dim", "num_kv_heads", "capacity"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +140,12 @@ class KVCache(_Pools):
     def with_block_tables(self, block_tables: jax.Array | None) -> KVCache:
         return dataclasses.replace(self, block_tables=block_tables)
 
+    @property
+    def index_keys(self) -> KVCache:
+        """The indexer keys as the kernels read them (`kernels.sparse.index_scores`), with these tables."""
+        return KVCache(self.index_k, None, self.index_k_scale, block_tables=self.block_tables,
+                       v_head_dim=self.index_k.shape[-1])
+
     @classmethod
     def from_sequences(cls, k, v=None, *, v_head_dim: int | None = None, k_scale=None, v_scale=None,
                        page: int | None = None) -> KVCache:
@@ -145,7 +165,7 @@ class KVCache(_Pools):
 
         tables = identity_block_tables(batch, max(seq // page, 1))
         dv = v.shape[-1] if v is not None else v_head_dim
-        return cls(as_pages(k), as_pages(v), as_pages(k_scale), as_pages(v_scale), tables, v_head_dim=dv)
+        return cls(as_pages(k), as_pages(v), as_pages(k_scale), as_pages(v_scale), block_tables=tables, v_head_dim=dv)
 
 
 def contiguous_page_size(seq: int, limit: int = MAX_CONTIGUOUS_PAGE) -> int:

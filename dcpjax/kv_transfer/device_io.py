@@ -25,6 +25,7 @@ engine precompiles (`runner.precompile`).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 
@@ -35,7 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from dcpjax.kernels import KVPools, LinearState
 from dcpjax.kernels.kv_cache import dequantize_fp8, quantize_fp8
-from dcpjax.kv_transfer.layout import STATE_FIELDS, VALUE_FIELDS, KVLayout, bucket, pool_name, state_name
+from dcpjax.kv_transfer.layout import SCALE_FIELDS, STATE_FIELDS, KVLayout, bucket, pool_name, state_name
 from dcpjax.models.kv_groups import NULL_BLOCK
 from dcpjax.sharding.mesh import DCP_AXIS, RULES, TP_AXIS
 
@@ -50,7 +51,8 @@ def describe(runner) -> KVLayout:
                     layers=tuple("linear" if cfg.is_linear(i) else "kv" for i in range(cfg.num_hidden_layers)),
                     kv_heads=kv_heads, pool_dims=tuple(kv.pool_dims), kv_dtype=np.dtype(kv.dtype).name, tp=pc.tp,
                     dcp=pc.dcp, interleave=pc.interleave, block_size=kv.block_size,
-                    head_repeats=kv.kv_slots // kv_heads, state_shapes=state_shapes)
+                    head_repeats=kv.kv_slots // kv_heads, state_shapes=state_shapes,
+                    pool_names=tuple(kv.pool_fields))
 
 
 class KVMover:
@@ -209,19 +211,18 @@ class KVMover:
             keep = (j < mine) & (block != NULL_BLOCK) if self.groups.sliding else j < mine
             target = jnp.where(keep, block, cache.k.shape[1])  # out of range: dropped
             fields = _converted({f: u[0, n] for f, u in updates.items()}, cache)
-            out[i] = KVPools(*(None if getattr(cache, f) is None else
-                               getattr(cache, f).at[:, target, j % block_size].set(fields[f], mode="drop")
-                               for f in ("k", "v", "k_scale", "v_scale")), v_head_dim=cache.v_head_dim)
+            out[i] = dataclasses.replace(cache, **{f: getattr(cache, f).at[:, target, j % block_size].set(
+                fields[f], mode="drop") for f in fields})
         for i, row in states.items():
             out[i] = LinearState(*(getattr(caches[i], f).at[slot].set(getattr(row, f)) for f in STATE_FIELDS))
         return tuple(out)
 
 
 def _converted(fields: dict, cache: KVPools) -> dict:
-    """One layer's arriving {k, v[, k_scale, v_scale]} [slots, tokens, ...] in the pools' dtype: an fp8
-    cache quantizes float KV as a new token is stored (`quantize_fp8`); a float cache dequantizes fp8
-    KV as the kernels read it (`dequantize_fp8`)."""
-    values = [f for f in VALUE_FIELDS if f in fields]
+    """One layer's arriving {k, v, index_k[, their scales]} [slots, tokens, ...] in the pools' dtype: an
+    fp8 cache quantizes float KV as a new token is stored (`quantize_fp8`); a float cache dequantizes
+    fp8 KV as the kernels read it (`dequantize_fp8`)."""
+    values = [f for f in fields if f not in SCALE_FIELDS]
     sent_fp8 = "k_scale" in fields
     if cache.k_scale is not None and sent_fp8:
         return fields

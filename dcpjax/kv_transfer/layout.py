@@ -21,11 +21,11 @@ import numpy as np
 from dcpjax.sharding import layout as positions_layout
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
-VALUE_FIELDS = ("k", "v")  # a layer's value pools (MLA: "k" alone, the latent)
-SCALE_FIELDS = ("k_scale", "v_scale")  # an fp8 cache's float32 scale per token and head
+VALUE_FIELDS = ("k", "v")  # a layer's value pools (MLA: "k" alone, the latent; DSA: "k" and "index_k")
+SCALE_FIELDS = ("k_scale", "v_scale", "index_k_scale")  # an fp8 cache's float32 scale per token and head
 STATE_FIELDS = ("conv_q", "conv_k", "conv_v", "recurrent")  # a linear layer's state row (`kernels.LinearState`)
 # the model-identity fields: two caches that differ in any of them cannot exchange KV
-MODEL_FIELDS = ("architecture", "layers", "kv_heads", "pool_dims", "state_shapes")
+MODEL_FIELDS = ("architecture", "layers", "kv_heads", "pool_dims", "value_fields", "state_shapes")
 
 
 def bucket(n: int, smallest: int = 16) -> int:
@@ -65,6 +65,8 @@ class KVLayout:
 
     layers: per model layer, "kv" (paged attention KV) or "linear" (a fixed state per sequence).
     pool_dims: the last dim of each value pool of a KV layer: (dk, dv), or (latent,) for MLA.
+    pool_names: the `KVPools` field of each of pool_dims; () is the first len(pool_dims) of ("k", "v")
+      (MLA with DSA's indexer keys: ("k", "index_k")).
     state_shapes: a linear layer's state row per field, [heads, ...] float32 (hybrid models).
     head_repeats: stored copies of each KV head (the head groups over "tp" / kv_heads, at least 1).
     """
@@ -80,6 +82,7 @@ class KVLayout:
     block_size: int
     head_repeats: int = 1
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    pool_names: tuple[str, ...] = ()
 
     # -- where a position lives ----------------------------------------------------------------
     def owner(self, p):
@@ -115,10 +118,15 @@ class KVLayout:
         return kv_dtype(self.kv_dtype) == FP8
 
     @property
+    def value_fields(self) -> tuple[str, ...]:
+        """The value pools of a KV layer, in pool_dims' order."""
+        return self.pool_names or VALUE_FIELDS[: len(self.pool_dims)]
+
+    @property
     def pool_fields(self) -> tuple[str, ...]:
         """The pools of a KV layer: values, then (fp8) their scales."""
-        values = VALUE_FIELDS[: len(self.pool_dims)]
-        return values + (SCALE_FIELDS[: len(values)] if self.quantized else ())
+        values = self.value_fields
+        return values + (tuple(f"{f}_scale" for f in values) if self.quantized else ())
 
     def padded_tokens(self, num_tokens: int) -> int:
         """Tokens per rank of a prompt's arrays as gathered, before they are trimmed: its blocks' bucket
@@ -136,7 +144,7 @@ class KVLayout:
             lengths = [self.padded_tokens(num_tokens)] * self.dcp
         for field in self.pool_fields:
             scale = field in SCALE_FIELDS
-            dim = () if scale else (self.pool_dims[VALUE_FIELDS.index(field)],)
+            dim = () if scale else (self.pool_dims[self.value_fields.index(field)],)
             for r, n in enumerate(lengths):
                 shape = (self.num_kv_layers, self.kv_heads, n, *dim)
                 element = np.dtype(np.float32) if scale else dtype
@@ -168,7 +176,8 @@ class KVLayout:
         if not isinstance(data, dict):
             raise ValueError(f"kv_layout must be an object, got {type(data).__name__}")  # noqa: TRY004 (a user's value)
         names = {f.name for f in dataclasses.fields(cls)}
-        if missing := sorted(n for n in names if n not in data and n not in ("head_repeats", "state_shapes")):
+        optional = ("head_repeats", "state_shapes", "pool_names")
+        if missing := sorted(n for n in names if n not in data and n not in optional):
             raise ValueError(f"kv_layout lacks {missing}")
         try:
             return cls(
@@ -177,7 +186,8 @@ class KVLayout:
                 kv_dtype=str(data["kv_dtype"]), tp=int(data["tp"]), dcp=int(data["dcp"]),
                 interleave=int(data["interleave"]), block_size=int(data["block_size"]),
                 head_repeats=int(data.get("head_repeats", 1)),
-                state_shapes=tuple((str(f), tuple(int(x) for x in s)) for f, s in data.get("state_shapes", ())))
+                state_shapes=tuple((str(f), tuple(int(x) for x in s)) for f, s in data.get("state_shapes", ())),
+                pool_names=tuple(str(x) for x in data.get("pool_names", ())))
         except (TypeError, ValueError, KeyError) as err:
             raise ValueError(f"kv_layout is malformed: {err}") from None
 
@@ -188,3 +198,7 @@ class KVLayout:
         if set(self.layers) - {"kv", "linear"}:
             raise ValueError(f"kv_layout.layers holds 'kv' or 'linear', got {sorted(set(self.layers))}")
         kv_dtype(self.kv_dtype)  # a TypeError for a dtype numpy does not know
+        known = {"k", "v", "index_k"}
+        if self.pool_names and (len(self.pool_names) != len(self.pool_dims) or set(self.pool_names) - known):
+            raise ValueError(f"kv_layout.pool_names names one of k, v, index_k per pool_dims entry, got "
+                             f"{list(self.pool_names)} for pool_dims {list(self.pool_dims)}")

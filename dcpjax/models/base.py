@@ -147,10 +147,7 @@ class CausalLM(nnx.Module):
         x = self.embed(batch.tokens)
         if self.embed_scale != 1.0:  # Gemma: times sqrt(hidden), rounded to the weights' dtype first
             x = x * jnp.asarray(self.embed_scale, x.dtype)
-        caches = list(kv_caches)
-        for i, layer in enumerate(self.layers):
-            c = self.layer_cache[i]
-            x, caches[c] = layer(x, batch.for_group(self.layer_group[i]), caches[c], ctx)
+        x, caches = self.run_layers(x, batch, list(kv_caches), ctx)
         if not all_positions:
             x = x.reshape(-1, x.shape[-1])[batch.sample_index]  # [R, hidden]
         last = self.norm(x)
@@ -159,3 +156,10 @@ class CausalLM(nnx.Module):
         if self.final_softcap:  # Gemma 2 / 3: logits squashed into (-cap, cap), in float32
             logits = self.final_softcap * jnp.tanh(logits / self.final_softcap)
         return logits, tuple(caches)
+
+    def run_layers(self, x: jax.Array, batch: StepBatch, caches: list, ctx: StepContext) -> tuple[jax.Array, list]:
+        """The decoder layers in order, each on its cache and its group's tables: x [B, T, hidden]."""
+        for i, layer in enumerate(self.layers):
+            c = self.layer_cache[i]
+            x, caches[c] = layer(x, batch.for_group(self.layer_group[i]), caches[c], ctx)
+        return x, caches

@@ -112,6 +112,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    # DeepSeek-V3.2 / GLM-5 sparse attention (DSA): the lightning indexer's heads, their width, the
+    # positions each query attends to (0: dense MLA) and its RoPE's pair layout (V3.2 half-split)
+    index_topk: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False
+    index_shared_layers: tuple[int, ...] = ()  # GLM-5's "shared" indexer layers: the previous layer's top-k
     # Qwen3-Next: which layers are Gated DeltaNet (linear attention, a fixed-size state per
     # sequence) and which full attention (a KV cache, under DCP); Gemma: which attend through a
     # sliding window of `sliding_window` positions (a KV cache too); Qwen3-Next's full layers' sigmoid output
@@ -133,6 +140,11 @@ class ModelConfig:
     @property
     def use_mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    @property
+    def use_sparse_attention(self) -> bool:
+        """MLA over each query's top-k positions by the lightning indexer (DSA)."""
+        return self.index_topk > 0
 
     @property
     def is_hybrid(self) -> bool:

@@ -74,9 +74,16 @@ class MLAttention(nnx.Module):
 
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """
+        out, kv, _ = self.forward(x, batch, kv, ctx)
+        return out, kv
+
+    def forward(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext, selection=None):
+        """`__call__`, handing a sparse layer's selection of positions in and out (`attend`): the
+        output [B, T, hidden], kv and the selection this layer attended with (None when dense)."""
         positions = batch.positions
+        q_resid = self.q_a_norm(x @ self.q_a[...]) if self.q_lora else None
         if self.q_lora:
-            q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+            q = jnp.einsum("btr,rhd->bthd", q_resid, self.q_b[...])
         else:
             q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope :], positions)
@@ -93,11 +100,19 @@ class MLAttention(nnx.Module):
 
         q_absorbed = jnp.concatenate([jnp.einsum("bthn,hnc->bthc", q_nope, self.w_uk[...]), q_rope], axis=-1)
         options = dataclasses.replace(ctx.attention, sm_scale=self.sm_scale)
-        out_latent, _ = dcp_attention(q_absorbed, kv.with_block_tables(batch.block_tables), batch.causal_bounds,
-                                      ctx.pc, options, batch.page_offsets)
+        out_latent, kv, selection = self.attend(q_absorbed, x, q_resid, batch, kv, ctx.pc, options, selection)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
         out = out_projection(out, self.o_proj[...])
-        return reduce_model(out), kv
+        return reduce_model(out), kv, selection
+
+    def attend(self, q_absorbed, x, q_resid, batch: StepBatch, kv: KVPools, pc: ParallelConfig, options,
+               selection=None):
+        """Attention over the latent: q_absorbed [B, T, heads / TP, lora + rope] -> [B, T, heads / TP, lora]
+        float32, the cache and the selection (None). Dense here; sparse attention (`models.dsa`) selects
+        positions first (x [B, T, hidden] and q_resid [B, T, q_lora_rank] feed its indexer)."""
+        out, _ = dcp_attention(q_absorbed, kv.with_block_tables(batch.block_tables), batch.causal_bounds, pc, options,
+                               batch.page_offsets)
+        return out, kv, None
 
 
 class GroupedTopKMoE(nnx.Module):
@@ -143,13 +158,20 @@ class GroupedTopKMoE(nnx.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     """DeepSeek-V3 / Kimi K2 causal LM (dense first layers, MLA, routed + shared experts)."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, pc: ParallelConfig, dtype=jnp.float32):
         def mlp(i):
             if i in cfg.sparse_layers:
                 return GroupedTopKMoE(cfg, pc, dtype)
             return GatedMLP(cfg.hidden_size, cfg.intermediate_size, dtype, pc)
 
-        super().__init__(cfg, pc, dtype, lambda i: DecoderLayer(cfg, dtype, MLAttention(cfg, pc, dtype), mlp(i)))
+        make = lambda i: self.layer_class(cfg, dtype, self.make_attention(cfg, pc, dtype, i), mlp(i))
+        super().__init__(cfg, pc, dtype, make)
+
+    def make_attention(self, cfg: ModelConfig, pc: ParallelConfig, dtype, layer: int) -> MLAttention:
+        """Layer `layer`'s attention (DeepSeek-V3.2: MLA with sparse attention, `models.dsa`)."""
+        return MLAttention(cfg, pc, dtype)
 
 
 # -- the family: what config.json and the checkpoint say ----------------------------------

@@ -104,6 +104,21 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)  # Llama's order: cast, then scale in the weight's dtype
 
 
+class LayerNorm(nnx.Module):
+    """(x - mean) / std * weight + bias over the last axis, in float32 (torch's nn.LayerNorm), replicated."""
+
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = param((dim,), (None,), dtype, init="ones")
+        self.bias = param((dim,), (None,), dtype, init="zeros")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+        normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.weight[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
 # config.json's hidden_act -> the function; zero at zero, so padded FFW columns still add nothing
 ACTIVATIONS = {
     "silu": jax.nn.silu,

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.models import deepseek, gemma3, llama, qwen3_next
+from dcpjax.models import deepseek, dsa, gemma3, llama, qwen3_next
 from dcpjax.models.config import ModelConfig, register_architectures
 from dcpjax.models.family import GGUFArchitecture, ModelFamily
 from dcpjax.models.layers import padding_multiple, unsplittable_dims
@@ -25,6 +25,7 @@ from dcpjax.sharding.mesh import logical_spec
 FAMILIES: tuple[ModelFamily, ...] = (
     llama.FAMILY,
     deepseek.FAMILY,
+    dsa.FAMILY,
     qwen3_next.FAMILY,
     gemma3.FAMILY,
 )

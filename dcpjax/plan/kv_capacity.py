@@ -1,4 +1,4 @@
-"""What a KV cache of a given size holds and what a decode step reads of it, for a model's KV cache
+"""What a KV cache of a given size holds, for a model's KV cache
 groups (`models.kv_groups`): without sliding windows every block holds every KV layer's tokens;
 with them a block holds one group's layers, full groups keep every token and sliding groups their
 window (and the chunk being computed). The engine sizes its cache with the same arithmetic
@@ -41,11 +41,3 @@ def kv_capacity(cfg: ModelConfig, num_blocks: int, per_block: int, block_size: i
         return KVCapacity(tokens, tokens // per_seq, per_layer_token * groups.size, per_layer_token)
     fit = (num_blocks - groups.reserved_blocks) // groups.blocks_for(per_seq, block_size * dcp, PLAN_CHUNK)
     return KVCapacity(tokens, fit, per_layer_token * groups.full_layers, per_layer_token)
-
-
-def kv_read_bytes(cfg: ModelConfig, capacity: KVCapacity, batch: int, context: float) -> float:
-    """KV bytes one device reads in a decode step of `batch` sequences at `context` tokens: each layer
-    its window of the context (all of it without one)."""
-    groups = KVCacheGroups.of(cfg)
-    layer_tokens = sum(min(context, w or context) * len(g) for g, w in zip(groups.layers, groups.windows))
-    return batch * capacity.bytes_per_layer_token * layer_tokens

@@ -20,11 +20,12 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.models.registry import layout_problems
 from dcpjax.plan import experts
-from dcpjax.plan.kv_capacity import kv_capacity, kv_read_bytes
+from dcpjax.plan.kv_capacity import kv_capacity
+from dcpjax.plan.step_bytes import collective_bytes, dense_read_bytes, kv_read_bytes
 from dcpjax.plan.units import FP8, GB
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
-from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER, dcp_collective_bytes
+from dcpjax.sharding.traffic import COLLECTIVES_PER_LAYER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,17 +69,6 @@ class Workload:
     concurrency: int = 32
 
 
-def _traffic(cfg: ModelConfig, pc: ParallelConfig, batch: int, q_bytes: int) -> dict[str, float]:
-    """DCP collective bytes per decode step per device, all layers, for each merge backend."""
-    if cfg.use_mla:
-        dk, dv = cfg.latent_dim, cfg.kv_lora_rank
-    else:
-        dk = dv = cfg.head_dim
-    return {comm: cfg.num_kv_layers * dcp_collective_bytes(tp=pc.tp, dcp=pc.dcp, q_heads=cfg.num_attention_heads,
-                                                               dk=dk, dv=dv, batch=batch, q_bytes=q_bytes, comm=comm)
-            for comm in COLLECTIVES_PER_LAYER}
-
-
 def _rejected(row: dict, kind: str, why: list[str]) -> dict:
     # the config's rule sentences end in "."; they are joined with "; " downstream
     return row | {"valid": False, "rejected_by": kind, "rules_broken": [s.rstrip(".") for s in why]}
@@ -115,8 +105,8 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     # --concurrency sequences needs max_num_seqs >= concurrency, so that many states come before the KV blocks
     state = cfg.linear_state_bytes(pc.tp)
     budget = device.memory_gb * GB * utilization - weight_bytes - workload.concurrency * state
-    per_block = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype).bytes_per_block_per_device(
-        KVCacheGroups.of(cfg).size, pc.kv_head_groups)  # with sliding windows: one group's layers
+    blocks = kv_block_layout(cfg, pc, block_size=block_size, dtype=kv_dtype)
+    per_block = blocks.bytes_per_block_per_device(KVCacheGroups.of(cfg).size, pc.kv_head_groups)  # one group's layers
     if budget < per_block:
         why = f"{memory_held(weight_bytes, workload.concurrency, state)} leave no room for KV in {utilization:.0%} of "
         return _rejected(row | {"weight_bytes_per_device": weight_bytes}, "weights", [f"{why}{device.memory_gb:g} GB"])
@@ -132,16 +122,20 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
         return _rejected(row, "context", [f"{why} holds"])
     batch = min(workload.concurrency, fit)
     context = workload.input_len + workload.output_len / 2  # the mean over the decode
-    kv_read = kv_read_bytes(cfg, capacity, batch, context)
-    traffic = _traffic(cfg, pc, batch, q_bytes)
+    index_share = blocks.share_of("index_k")
+    kv_read = kv_read_bytes(cfg, capacity, batch, context, index_share)
+    if cfg.use_sparse_attention:  # against dense MLA's read of the same cache
+        row["dense_kv_read_bytes_per_step"] = dense_read_bytes(cfg, capacity, batch, context, index_share)
+    traffic = collective_bytes(cfg, pc, batch, q_bytes, context)
     state_traffic = 2 * batch * state  # each decoding sequence's state read and written back
     held, expert_read = experts.routed_bytes(cfg, pc, batch=batch, weight_dtype=weight_dtype)
     weight_read = weight_bytes - held + expert_read  # a grouped matmul skips the experts no token picked
     moe = experts.combine_bytes(cfg, pc.tp, batch=batch, act_bytes=q_bytes)
     hbm = (weight_read + kv_read + state_traffic) / (device.hbm_tbps * 1e12)
     moe_seconds = moe / (link.gbps * GB)
-    dcp_seconds = {comm: traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * n * link.latency_us * 1e-6
-                   if pc.dcp > 1 else 0.0 for comm, n in COLLECTIVES_PER_LAYER.items()}
+    top_k_merge = cfg.use_sparse_attention and context > cfg.index_topk  # one more all_gather a layer
+    dcp_seconds = {comm: traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * (n + top_k_merge) * link.latency_us
+                   * 1e-6 if pc.dcp > 1 else 0.0 for comm, n in COLLECTIVES_PER_LAYER.items()}
     steps = {comm: hbm + moe_seconds + seconds for comm, seconds in dcp_seconds.items()}
     return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "state_bytes_per_step": state_traffic,
                   "weight_read_bytes_per_step": weight_read, "expert_read_bytes_per_step": expert_read,
@@ -205,12 +199,17 @@ def recommend(cfg: ModelConfig, rows: list[dict], link: Link, workload: Workload
     base = valid[0]
     best = max(valid, key=lambda r: max(r["tokens_per_second"].values()))  # ties: the smaller DCP
     attention = "MLA (one latent per token)" if cfg.use_mla else f"{cfg.num_key_value_heads} KV heads"
+    if cfg.use_sparse_attention:
+        attention = f"MLA over the top {cfg.index_topk:,} positions (one latent and one indexer key per token)"
     if cfg.is_hybrid:
         attention += f" in {cfg.num_kv_layers} of {cfg.num_hidden_layers} layers (the others keep a fixed state)"
     held = f"DCP {best['dcp']} holds {best['kv_cache_size_tokens']:,} tokens"
     if best is not base:
         held += f", {best['kv_cache_size_tokens'] / base['kv_cache_size_tokens']:.1f}x DCP {base['dcp']}'s"
     shape = f"{workload.concurrency} x ({workload.input_len} in + {workload.output_len} out)"
+    if "dense_kv_read_bytes_per_step" in best:
+        held += (f"; its step reads {best['kv_read_bytes_per_step'] / 1e9:,.2f} GB of KV per device where dense MLA "
+                 f"would read {best['dense_kv_read_bytes_per_step'] / 1e9:,.2f} GB")
     reasons = [f"model: {attention}: {held}",
                f"workload: {shape}: {best['sequences_that_fit']:,} fit at DCP {best['dcp']}, a batch of {best['batch']}"
                + (f" ({base['sequences_that_fit']:,} at DCP {base['dcp']})" if best is not base else "")]

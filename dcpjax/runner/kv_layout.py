@@ -22,12 +22,21 @@ class KVCacheLayout:
     num_blocks: int  # physical blocks per rank; block ids are shared by all ranks
     block_size: int
     kv_slots: int  # KV heads as stored (repeated over "tp" groups when needed)
-    pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), or (latent,) for MLA
+    pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), (latent,) for MLA
     dtype: jnp.dtype  # float8_e4m3fn: quantised, with a float32 scale per token and head
+    # the `KVPools` field of each pool: ("k", "v"), MLA ("k",), MLA with DSA's indexer keys ("k", "index_k")
+    pool_fields: tuple[str, ...] = ("k", "v")
 
     @property
     def quantized(self) -> bool:
         return jnp.dtype(self.dtype) == FP8
+
+    def share_of(self, field: str) -> float:
+        """The part of a stored token's bytes in pool `field` (0 for a pool this cache has not)."""
+        if field not in self.pool_fields:
+            return 0.0
+        per_pool = [d * jnp.dtype(self.dtype).itemsize + (4 if self.quantized else 0) for d in self.pool_dims]
+        return per_pool[self.pool_fields.index(field)] / sum(per_pool)
 
     def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
         local_heads = self.kv_slots // tp_groups
@@ -38,11 +47,13 @@ class KVCacheLayout:
 
 def kv_block_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, dtype) -> KVCacheLayout:
     """The shape of one model's KV blocks (num_blocks still 0)."""
-    if cfg.use_mla:  # one latent per token: the compressed KV and the shared rotary key
-        slots, dims = kv_head_slots(1, pc), (cfg.latent_dim,)
+    if cfg.use_mla and cfg.use_sparse_attention:  # and one indexer key per token beside it
+        slots, dims, fields = kv_head_slots(1, pc), (cfg.latent_dim, cfg.index_head_dim), ("k", "index_k")
+    elif cfg.use_mla:  # one latent per token: the compressed KV and the shared rotary key
+        slots, dims, fields = kv_head_slots(1, pc), (cfg.latent_dim,), ("k",)
     else:
-        slots, dims = kv_head_slots(cfg.num_key_value_heads, pc), (cfg.head_dim, cfg.head_dim)
-    return KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype))
+        slots, dims, fields = kv_head_slots(cfg.num_key_value_heads, pc), (cfg.head_dim, cfg.head_dim), ("k", "v")
+    return KVCacheLayout(0, block_size, slots, dims, jnp.dtype(dtype), fields)
 
 
 def kv_cache_layout(cfg: ModelConfig, pc: ParallelConfig, *, block_size: int, bytes_per_device: int,

@@ -131,18 +131,18 @@ class ModelRunner:
                            self._zeros((self.max_num_seqs, nv, dk, dv), jnp.float32, spec))
 
     def _empty_cache(self) -> KVPools:
-        """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh."""
+        """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh (each of
+        `kv_layout.pool_fields`, and their fp8 scales)."""
         kv, pc = self.kv_layout, self.pc
         local_heads = kv.kv_slots // pc.kv_head_groups
         zeros = self._zeros
         pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, RULES.kv_pool_spec)
         scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, RULES.kv_scale_spec)
-        mla = len(kv.pool_dims) == 1
-        return KVPools(
-            k=pool(kv.pool_dims[0]), v=None if mla else pool(kv.pool_dims[1]),
-            k_scale=scales() if kv.quantized else None, v_scale=scales() if kv.quantized and not mla else None,
-            v_head_dim=self.cfg.kv_lora_rank if mla else kv.pool_dims[1],
-        )
+        pools = {field: pool(dim) for field, dim in zip(kv.pool_fields, kv.pool_dims, strict=True)}
+        if kv.quantized:
+            pools |= {f"{field}_scale": scales() for field in kv.pool_fields}
+        dv = kv.pool_dims[1] if "v" in pools else self.cfg.kv_lora_rank  # MLA: V is the latent's first part
+        return KVPools(**({"v": None} | pools), v_head_dim=dv)
 
     def _model(self, all_positions: bool = False):
         """The model forward inside shard_map: (state, caches, StepBatch) -> (logits [R, vocab],

@@ -321,10 +321,12 @@ def dcp_decode_attention(
 def _sparse_decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, index_spec: KVCache, options: AttentionOptions,
                       top_k: int, index_scale: float):
     def body(q, cache: KVCache, index_q, index_weights, index_cache: KVCache, lengths):
-        out, lse, top = dcp_sparse_attention(q[:, None], cache, index_q[:, None], index_weights[:, None],
-                                             index_cache, lengths[:, None], pc, options, top_k, index_scale)
-        if top is None:  # dense: every position each query sees, in order
+        out, lse, selection = dcp_sparse_attention(q[:, None], cache, index_q[:, None], index_weights[:, None],
+                                                   index_cache, lengths[:, None], pc, options, top_k, index_scale)
+        if selection is None:  # dense: every position each query sees, in order
             top = jnp.where(jnp.arange(top_k) < lengths[:, None, None], jnp.arange(top_k), -1)
+        else:
+            top = selection.top
         return out[:, 0].astype(q.dtype), lse[:, 0], top[:, 0]
 
     fn = jax.shard_map(body, mesh=mesh,

@@ -116,16 +116,19 @@ class ShardingRules:
         pool, scale = self.kv_pool_spec, self.kv_scale_spec
         return KVCache(
             k=pool, v=some(cache.v, pool), k_scale=some(cache.k_scale, scale),
-            v_scale=some(cache.v_scale, scale), block_tables=some(cache.block_tables, PartitionSpec()),
+            v_scale=some(cache.v_scale, scale), index_k=some(cache.index_k, pool),
+            index_k_scale=some(cache.index_k_scale, scale), block_tables=some(cache.block_tables, PartitionSpec()),
             v_head_dim=cache.v_head_dim, num_kv_heads=cache.num_kv_heads, capacity=cache.capacity,
         )
 
     def kv_pools_spec(self, pools: KVPools) -> KVPools:
-        """The PartitionSpecs of the engine's `KVPools` (as `kv_cache_spec`, without tables)."""
-        scale = self.kv_scale_spec
-        return KVPools(self.kv_pool_spec, None if pools.v is None else self.kv_pool_spec,
-                       None if pools.k_scale is None else scale, None if pools.v_scale is None else scale,
-                       v_head_dim=pools.v_head_dim)
+        """The PartitionSpecs of the engine's `KVPools` (as `kv_cache_spec`, without tables): the
+        indexer keys of a sparse layer are split like its latent."""
+        some = lambda x, spec: None if x is None else spec
+        pool, scale = self.kv_pool_spec, self.kv_scale_spec
+        return KVPools(k=pool, v=some(pools.v, pool), k_scale=some(pools.k_scale, scale),
+                       v_scale=some(pools.v_scale, scale), index_k=some(pools.index_k, pool),
+                       index_k_scale=some(pools.index_k_scale, scale), v_head_dim=pools.v_head_dim)
 
     @property
     def linear_state_spec(self) -> PartitionSpec:

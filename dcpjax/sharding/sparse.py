@@ -18,6 +18,9 @@ dense kernels run.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -57,40 +60,76 @@ def merge_top_k(values: jax.Array, positions: jax.Array, top_k: int, pc: Paralle
     return selected & (values > -jnp.inf), top
 
 
-def dcp_sparse_attention(q: jax.Array, kv: KVCache, index_q: jax.Array, index_weights: jax.Array,
-                         index_keys: KVCache, bounds: jax.Array, pc: ParallelConfig, options: AttentionOptions,
-                         top_k: int, index_scale: float, page_offsets: jax.Array | None = None,
-                         ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-    """Attention of this device's query heads over each query's top-k positions, merged exactly.
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["indices", "selected", "top"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which positions each query attends to, as this DCP rank holds them (`dcp_top_k`).
+
+    indices: [B, T, K] int32, local token indices into the row's pages (this rank's candidates);
+    selected: [B, T, K] bool, those in the global top-k; top: [B, T, top_k] int32, the global top-k's
+    positions best first (-1 where fewer exist), the same on every rank. A layer that shares the
+    previous layer's selection (GLM-5's "shared" indexer layers) attends with it as it is.
+    """
+
+    indices: jax.Array
+    selected: jax.Array
+    top: jax.Array
+
+
+def is_dense(kv: KVCache, pc: ParallelConfig, top_k: int) -> bool:
+    """No row of the call can see more than top_k positions (its tables are narrow): every row selects
+    all it sees, so dense attention is the same and cheaper."""
+    return kv.block_tables.shape[1] * kv.block_size * pc.dcp <= top_k
+
+
+def dcp_top_k(index_q: jax.Array, index_weights: jax.Array, index_keys: KVCache, bounds: jax.Array,
+              pc: ParallelConfig, top_k: int, index_scale: float, page_offsets: jax.Array | None = None) -> Selection:
+    """The exact global top-k of the indexer's scores, as this rank holds it.
 
     Args:
-      q: [B, T, q_heads / TP, dk], this device's heads.
-      kv: this rank's KV pages with block_tables [B, P] (MLA: the latent).
       index_q: [B, T, index_heads, index_dim], the indexer's queries (all its heads, replicated).
       index_weights: [B, T, index_heads] float32, each indexer head's weight.
-      index_keys: this rank's indexer key pages [1, num_blocks, block_size, index_dim], the same
-        tables as kv.
-      bounds: [B, T] global causal bounds; page_offsets: packed rows (`dcp_attention`).
+      index_keys: this rank's indexer key pages [1, num_blocks, block_size, index_dim], the KV's tables.
+      bounds: [B, T] global causal bounds; page_offsets: packed rows (`local_ops.dcp_attention`).
       top_k: positions each query attends to; index_scale: the indexer's q . k scale.
-    Returns:
-      out [B, T, q_heads / TP, dv] float32, lse [B, T, q_heads / TP] float32, and the global top-k's
-      positions [B, T, min(top_k, ...)] (best first, -1 where fewer exist), or None when the call is
-      dense (its tables hold at most top_k positions per row).
     """
-    seen = kv.block_tables.shape[1] * kv.block_size * pc.dcp  # the most positions a row can see
-    if seen <= top_k:  # every row selects all it sees: dense is the same and cheaper
-        out, lse = dcp_attention(q, kv, bounds, pc, options, page_offsets)
-        return out, lse, None
-    if pc.dcp > 1:  # the q heads of this device's whole KV-head group
-        q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
     rank = jax.lax.axis_index(DCP_AXIS)
     local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
-    offset = jnp.zeros_like(local) if page_offsets is None else page_offsets * kv.block_size
+    offset = jnp.zeros_like(local) if page_offsets is None else page_offsets * index_keys.block_size
     scores = index_scores(index_q, index_weights, index_keys, offset + local, offset, index_scale)
     values, indices = local_top_k(scores, top_k)
     positions = layout.global_position(indices - offset[..., None], rank, pc.dcp, pc.interleave)
     selected, top = merge_top_k(values, positions.astype(jnp.int32), top_k, pc)
-    out, lse = sparse_attention_reference(q, kv, indices, selected, options.scale(q.shape[-1]))
+    return Selection(indices, selected, top)
+
+
+def dcp_attend_selected(q: jax.Array, kv: KVCache, selection: Selection, pc: ParallelConfig,
+                        options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+    """Attention of this device's query heads over the selected positions, merged exactly.
+
+    q: [B, T, q_heads / TP, dk]; kv: this rank's KV pages with block_tables [B, P] (MLA: the latent).
+    Returns out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
+    """
+    if pc.dcp > 1:  # the q heads of this device's whole KV-head group
+        q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
+    out, lse = sparse_attention_reference(q, kv, selection.indices, selection.selected, options.scale(q.shape[-1]))
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
-    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1), top
+    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
+
+
+def dcp_sparse_attention(q: jax.Array, kv: KVCache, index_q: jax.Array, index_weights: jax.Array,
+                         index_keys: KVCache, bounds: jax.Array, pc: ParallelConfig, options: AttentionOptions,
+                         top_k: int, index_scale: float, page_offsets: jax.Array | None = None,
+                         ) -> tuple[jax.Array, jax.Array, Selection | None]:
+    """`dcp_top_k`, then `dcp_attend_selected`; dense attention (`local_ops.dcp_attention`) when no row
+    can see more than top_k positions (`is_dense`), with no selection (None).
+
+    Returns out [B, T, q_heads / TP, dv] float32, lse [B, T, q_heads / TP] float32 and the `Selection`.
+    """
+    if is_dense(kv, pc, top_k):
+        out, lse = dcp_attention(q, kv, bounds, pc, options, page_offsets)
+        return out, lse, None
+    selection = dcp_top_k(index_q, index_weights, index_keys, bounds, pc, top_k, index_scale, page_offsets)
+    out, lse = dcp_attend_selected(q, kv, selection, pc, options)
+    return out, lse, selection

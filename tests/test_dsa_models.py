@@ -1,0 +1,101 @@
+"""DeepSeek-V3.2's and GLM-5's sparse attention in the engine: what the parity tests (test_hf_parity.py)
+do not show.
+
+The fixture's selection matters (the same weights attending densely give other tokens), the indexer
+keys take their bytes in the cache, GLM-5's indexer layout is read from its config, and a config the
+indexer cannot run is refused by name.
+"""
+
+import json
+import pathlib
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dcpjax
+from dcpjax.models.config import ModelConfig
+from dcpjax.runner.kv_layout import kv_block_layout
+from dcpjax.sharding.config import ParallelConfig
+
+FIXTURE = pathlib.Path(__file__).parent / "fixtures" / "deepseek-v32"
+GLM5 = FIXTURE.parent / "glm-5"
+
+
+def _greedy(folder, **engine):
+    expected = json.loads((FIXTURE / "expected.json").read_text())["cases"]
+    llm = dcpjax.LLM(str(folder), block_size=4, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, **engine)
+    outputs = llm.generate([{"prompt_token_ids": c["prompt"]} for c in expected],
+                           dcpjax.SamplingParams(temperature=0, max_tokens=20))
+    return [o.outputs[0].token_ids for o in outputs], [c["greedy"] for c in expected]
+
+
+def test_the_selection_matters(tmp_path):
+    """With a top-k past every prompt the same checkpoint attends densely: its tokens equal transformers'
+    sparse ones while a row sees at most 16 positions, and part from them after."""
+    folder = tmp_path / "dense"
+    shutil.copytree(FIXTURE, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"index_topk": 4096}))
+    got, want = _greedy(folder)
+    # one token of prompt: token i comes from a row that sees 1 + i positions, all of them while 1 + i <= 16
+    assert got[0][:16] == want[0][:16] and got[0] != want[0]
+    assert got[-1] != want[-1]  # 64 tokens: the top 16 of 64 is not all of them
+
+
+def test_the_indexer_keys_sit_beside_the_latent():
+    cfg = ModelConfig.from_pretrained(FIXTURE)
+    assert cfg.use_sparse_attention and (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (16, 16, 16)
+    assert not cfg.index_rope_interleave  # V3.2's indexer rotates halves
+    layout = kv_block_layout(cfg, ParallelConfig(8, 8), block_size=4, dtype="float32")
+    assert layout.pool_fields == ("k", "index_k") and layout.pool_dims == (cfg.latent_dim, 16)
+    # per token and layer: the latent (32 + 8) and the key (16), float32
+    assert layout.bytes_per_block_per_device(1, 1) == 4 * (40 + 16) * 4
+    fp8 = kv_block_layout(cfg, ParallelConfig(8, 8), block_size=4, dtype="float8_e4m3fn")
+    assert fp8.bytes_per_block_per_device(1, 1) == 4 * ((40 + 16) + 2 * 4)  # each with its own float32 scale
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"index_topk": 0}, "needs positive index_topk, index_n_heads and index_head_dim"),
+    ({"index_n_heads": None}, "needs positive index_topk, index_n_heads and index_head_dim"),
+    ({"q_lora_rank": None}, "needs q_lora_rank"),
+    ({"index_head_dim": 4}, r"index_head_dim \(4\) must hold the qk_rope_head_dim \(8\)"),
+])
+def test_a_config_the_indexer_cannot_run_is_refused(change, message):
+    config = json.loads((FIXTURE / "config.json").read_text()) | change
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf(config)
+
+
+def test_fp8_kv_cache_holds_the_indexer_keys_quantized():
+    """An fp8 KV cache quantizes the indexer keys too, each token with its own float32 scale: the first
+    layer's keys (which depend on the embeddings alone) as the kernels read them equal a float cache's
+    to fp8's precision, in the same slots."""
+    prompt = json.loads((FIXTURE / "expected.json").read_text())["cases"][-1]["prompt"]
+    pools = []
+    for dtype in ("auto", "fp8"):
+        llm = dcpjax.LLM(str(FIXTURE), tensor_parallel_size=4, decode_context_parallel_size=2, block_size=4,
+                         max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20, kv_cache_dtype=dtype)
+        llm.generate([{"prompt_token_ids": prompt}], dcpjax.SamplingParams(temperature=0, max_tokens=2))
+        pools.append(llm.runner.kv_caches[0])
+    exact, fp8 = pools
+    assert fp8.index_k.dtype == jnp.float8_e4m3fn and fp8.index_k_scale.shape == fp8.index_k.shape[:3]
+    by_rank = lambda x: x.reshape(x.shape[0], 2, -1, *x.shape[2:])[:, :, :16]  # each DCP rank's first blocks
+    want = by_rank(np.asarray(exact.index_k, np.float32))
+    got = by_rank(np.asarray(fp8.index_k.astype(jnp.float32)) * np.asarray(fp8.index_k_scale)[..., None])
+    assert np.any(want != 0) and np.array_equal(got == 0, want == 0)
+    np.testing.assert_allclose(got, want, rtol=0, atol=0.07 * np.abs(want).max())
+
+
+def test_glm5_reads_its_shared_layers_and_interleaved_indexer():
+    cfg = ModelConfig.from_pretrained(GLM5)
+    assert cfg.index_shared_layers == (2,) and cfg.index_rope_interleave and cfg.rope_interleave
+    config = json.loads((GLM5 / "config.json").read_text())
+    del config["indexer_types"]
+    assert ModelConfig.from_hf(config | {"index_topk_pattern": "FSF"}).index_shared_layers == (1,)
+    # transformers' schedule: every index_topk_freq-th layer from index_skip_topk_offset runs its indexer
+    assert ModelConfig.from_hf(config | {"index_topk_freq": 2, "index_skip_topk_offset": 1}).index_shared_layers == (1,)
+    assert ModelConfig.from_hf(config).index_shared_layers == ()  # the default: every layer its own indexer
+    with pytest.raises(ValueError, match="indexer_types must name each of the 3 layers 'full' or 'shared', the first"):
+        ModelConfig.from_hf(config | {"indexer_types": ["shared", "full", "full"]})
