@@ -3,6 +3,7 @@ the link that follows the device, the table's legend, clean rule sentences, one-
 
 import argparse
 import json
+import pathlib
 import re
 
 import numpy as np
@@ -76,7 +77,8 @@ def test_sparse_attention_at_128k_reads_the_top_k_not_the_context(capsys):
     args = ("--input-len", "131072", "--output-len", "1024")
     sparse = _plan(capsys, "--model", "configs/deepseek-v3.2-tp8-dcp8.json", *args)
     dense = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", *args)
-    cfg = ModelConfig.from_hf(json.loads(open("configs/deepseek-v3.2-tp8-dcp8.json").read())["model"])
+    deployment = pathlib.Path(__file__).parents[1] / "configs" / "deepseek-v3.2-tp8-dcp8.json"
+    cfg = ModelConfig.from_hf(json.loads(deployment.read_text())["model"])
     by_dcp = {r["dcp"]: r for r in sparse["sizes"]}
     for dcp, row in by_dcp.items():
         other = next(r for r in dense["sizes"] if r["dcp"] == dcp)

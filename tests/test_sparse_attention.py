@@ -53,14 +53,14 @@ def oracle(q, latent, index_q, weights, index_k, lengths):
     return top, out, lse
 
 
-def run(tp, dcp, interleave, comm, block_size, integer, seed=0):
+def run(tp, dcp, interleave, comm, block_size, integer, seed=0, backend="reference"):
     q, latent, index_q, weights, index_k, lengths = inputs(integer, seed)
     pc = ParallelConfig(tp, dcp, interleave, comm)
     mesh = make_mesh(pc)
     cache = shard_kv_cache(latent, None, mesh, pc, block_size=block_size, v_head_dim=DV)
     index_cache = shard_kv_cache(index_k[:, :, None], None, mesh, pc, block_size=block_size, v_head_dim=INDEX_DIM)
     out, lse, top = dcp_sparse_decode_attention(q, cache, index_q, weights, index_cache, lengths, mesh, pc,
-                                                top_k=TOP_K, index_scale=INDEX_SCALE)
+                                                top_k=TOP_K, index_scale=INDEX_SCALE, attention_backend=backend)
     return (np.asarray(out), np.asarray(lse), np.asarray(top)), oracle(q, latent, index_q, weights, index_k, lengths)
 
 
@@ -73,6 +73,16 @@ LAYOUTS = [(1, 1, 1, "ag_rs", 4), (8, 8, 1, "ag_rs", 2), (8, 8, 1, "a2a", 2), (8
 @pytest.mark.parametrize("tp, dcp, interleave, comm, block_size", LAYOUTS)
 def test_sparse_decode_matches_the_oracle(tp, dcp, interleave, comm, block_size, integer):
     (out, lse, top), (want_top, want_out, want_lse) = run(tp, dcp, interleave, comm, block_size, integer)
+    np.testing.assert_array_equal(top, want_top)
+    assert_close_to_oracle(out, lse, want_out, want_lse, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tp, dcp, interleave, comm, block_size", [(1, 1, 1, "ag_rs", 4), (8, 4, 2, "a2a", 4)])
+def test_the_pallas_kernels_attend_over_the_gathered_selection(tp, dcp, interleave, comm, block_size):
+    """The Pallas path: each query's selected tokens gathered into pages of their own, the dense kernel
+    over them (interpreted on CPU)."""
+    (out, lse, top), (want_top, want_out, want_lse) = run(tp, dcp, interleave, comm, block_size, True,
+                                                          backend="pallas")
     np.testing.assert_array_equal(top, want_top)
     assert_close_to_oracle(out, lse, want_out, want_lse, atol=2e-5, rtol=1e-5)
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dcpjax.kernels.common import finish_softmax
+from dcpjax.kernels.common import AttentionOptions, finish_softmax
+from dcpjax.kernels.dispatch import attention
 from dcpjax.kernels.kv_cache import KVCache, dequantize_fp8, gather_pages
 
+GATHERED_PAGE = 16  # the selected tokens are gathered in pages of 16 (a Triton dot's smallest M)
 HEADS_PER_PASS = 8  # indexer heads scored at once: [B, T, 8, S] in float32, not [B, T, 64, S]
 
 
@@ -111,4 +113,37 @@ def sparse_attention_reference(q: jax.Array, kv: KVCache, indices: jax.Array, se
     probs = jnp.exp(scores - safe_max[..., None])
     acc = jnp.einsum("bthgk,hbtkd->bthgd", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
     out, lse = finish_softmax(acc, safe_max, jnp.sum(probs, axis=-1), q.dtype)
+    return out.reshape(*q.shape[:3], -1), lse.reshape(*q.shape[:3])
+
+
+def sparse_attention(q: jax.Array, kv: KVCache, indices: jax.Array, selected: jax.Array,
+                     options: AttentionOptions) -> tuple[jax.Array, jax.Array]:
+    """`sparse_attention_reference`'s contract, on the kernel `options` picks.
+
+    The jnp reference gathers and attends in one pass. For the Pallas kernels (`options.backend`
+    "pallas", or "auto" on GPU and TPU) each query's selected tokens are gathered first, selected ones
+    first, into pages of their own ([B * T sequences, K tokens]); the dense paged kernel then attends
+    each query over its first `count` tokens, so the kernels need no sparse variant.
+    """
+    platform = options.platform or jax.default_backend()
+    if options.backend == "reference" or (options.backend == "auto" and platform == "cpu"):
+        return sparse_attention_reference(q, kv, indices, selected, options.scale(q.shape[-1]))
+    batch, queries, k = indices.shape
+    padded = -(-k // GATHERED_PAGE) * GATHERED_PAGE
+    pad = ((0, 0), (0, 0), (0, padded - k))
+    indices, selected = jnp.pad(indices, pad), jnp.pad(selected, pad)
+    order = jnp.argsort(~selected, axis=-1, stable=True)  # the selected tokens first
+    tokens = jnp.where(jnp.take_along_axis(selected, order, -1), jnp.take_along_axis(indices, order, -1), 0)
+    pages = jnp.take_along_axis(kv.block_tables[:, None, :], tokens // kv.block_size, axis=2)  # [B, T, K]
+
+    def take(pool):  # [H, num_blocks, bs, ...] -> [B * T, K, H, ...]: one sequence per query
+        if pool is None:
+            return None
+        taken = pool[:, pages, tokens % kv.block_size]  # [H, B, T, K, ...]
+        return jnp.moveaxis(taken, 0, 3).reshape(batch * queries, padded, *taken.shape[:1], *taken.shape[4:])
+
+    gathered = KVCache.from_sequences(take(kv.k), take(kv.v), v_head_dim=kv.v_head_dim, k_scale=take(kv.k_scale),
+                                      v_scale=take(kv.v_scale), page=GATHERED_PAGE)
+    counts = jnp.sum(selected, axis=-1).reshape(batch * queries, 1)
+    out, lse = attention(q.reshape(batch * queries, 1, *q.shape[2:]), gathered, counts, options)
     return out.reshape(*q.shape[:3], -1), lse.reshape(*q.shape[:3])

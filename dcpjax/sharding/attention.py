@@ -337,7 +337,8 @@ def _sparse_decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, index_spec:
 
 def dcp_sparse_decode_attention(q: jax.Array, cache: KVCache, index_q: jax.Array, index_weights: jax.Array,
                                 index_cache: KVCache, lengths: jax.Array, mesh: Mesh, pc: ParallelConfig, *,
-                                top_k: int, index_scale: float, sm_scale: float | None = None):
+                                top_k: int, index_scale: float, sm_scale: float | None = None,
+                                attention_backend: str = "auto"):
     """Decode attention over each sequence's top-k positions by the indexer (DeepSeek's DSA), exact
     under DCP (`dcpjax.sharding.sparse`).
 
@@ -348,6 +349,7 @@ def dcp_sparse_decode_attention(q: jax.Array, cache: KVCache, index_q: jax.Array
       index_cache: the indexer's keys from `shard_kv_cache(keys [batch, seq, 1, index_dim], None,
         v_head_dim=index_dim, ...)` with the same block size and tables as `cache`.
       top_k: positions each query attends to; index_scale: the indexer's q . k scale.
+      attention_backend: "auto" | "pallas" | "reference" (`kernels.sparse.sparse_attention`).
     Returns out [batch, q_heads, dv] (q's dtype), lse [batch, q_heads] float32 and the selected
     positions [batch, top_k] int32, best first (ties: the lowest position), -1 where fewer exist.
     """
@@ -369,7 +371,8 @@ def dcp_sparse_decode_attention(q: jax.Array, cache: KVCache, index_q: jax.Array
     lengths = jnp.asarray(lengths, jnp.int32)
     if lengths.shape != (q.shape[0],):
         raise ValueError(f"lengths must be [batch={q.shape[0]}], got {lengths.shape}")
-    options = AttentionOptions(None if sm_scale is None else float(sm_scale), "reference",
+    check_attention_backend(attention_backend)
+    options = AttentionOptions(None if sm_scale is None else float(sm_scale), attention_backend,
                                mesh.devices.flat[0].platform)
     fn = _sparse_decode_fn(mesh, pc, RULES.kv_cache_spec(cache), RULES.kv_cache_spec(index_cache), options,
                            int(top_k), float(index_scale))

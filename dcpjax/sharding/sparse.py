@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dcpjax.kernels import AttentionOptions, KVCache
-from dcpjax.kernels.sparse import index_scores, local_top_k, sparse_attention_reference
+from dcpjax.kernels.sparse import index_scores, local_top_k, sparse_attention
 from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention
@@ -112,7 +112,7 @@ def dcp_attend_selected(q: jax.Array, kv: KVCache, selection: Selection, pc: Par
     """
     if pc.dcp > 1:  # the q heads of this device's whole KV-head group
         q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
-    out, lse = sparse_attention_reference(q, kv, selection.indices, selection.selected, options.scale(q.shape[-1]))
+    out, lse = sparse_attention(q, kv, selection.indices, selection.selected, options)
     batch, queries = out.shape[:2]
     out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
     return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
