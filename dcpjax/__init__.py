@@ -23,6 +23,7 @@ _EXPORTS = {
     "SamplingParams": "dcpjax.sampling",
     "append_kv": "dcpjax.sharding.attention",
     "dcp_decode_attention": "dcpjax.sharding.attention",
+    "dcp_sparse_decode_attention": "dcpjax.sharding.attention",
     "decode_attention": "dcpjax.kernels",
     "empty_kv_cache": "dcpjax.sharding.attention",
     "make_mesh": "dcpjax.sharding.mesh",
@@ -40,6 +41,7 @@ __all__ = [
     "SamplingParams",
     "append_kv",
     "dcp_decode_attention",
+    "dcp_sparse_decode_attention",
     "decode_attention",
     "empty_kv_cache",
     "make_mesh",
@@ -52,7 +54,14 @@ if TYPE_CHECKING:
     from dcpjax.llm import LLM
     from dcpjax.outputs import CompletionOutput, Logprob, RequestOutput
     from dcpjax.sampling import SamplingParams
-    from dcpjax.sharding.attention import DCPKVCache, append_kv, dcp_decode_attention, empty_kv_cache, shard_kv_cache
+    from dcpjax.sharding.attention import (
+        DCPKVCache,
+        append_kv,
+        dcp_decode_attention,
+        dcp_sparse_decode_attention,
+        empty_kv_cache,
+        shard_kv_cache,
+    )
     from dcpjax.sharding.config import ParallelConfig
     from dcpjax.sharding.devices import use_cpu_devices
     from dcpjax.sharding.mesh import make_mesh

@@ -206,12 +206,11 @@ def test_kv_transfer_bytes_are_measured_before_they_are_tabled():
 
 
 def test_sparse_attention_benchmark_smoke(tmp_path):
-    """Sparse and dense side by side: the sparse step reads less KV past the top-k and moves the top-k
-    all_gather's bytes on top of the dense merge's (both read from the compiled HLO)."""
+    """Sparse and dense side by side: the sparse step's collectives, read from its compiled HLO, are the
+    dense step's plus the top-k all_gather's bytes."""
     rows_file = tmp_path / "rows.json"
     out = _run("benchmarks/sparse_attention.py", "--context", "4096", "--dcp", "2", "--repeats", "1",
                "--json", str(rows_file))
     assert "| 2 |" in out
     (row,) = json.loads(rows_file.read_text())
-    assert row["sparse_read_mb"] < row["dense_read_mb"]
     assert row["sparse_collective_kb"] * 1e3 == pytest.approx(row["dense_collective_kb"] * 1e3 + 4 * 2048 * 8 * 1)

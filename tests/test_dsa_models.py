@@ -100,7 +100,7 @@ def test_the_indexer_keys_sit_beside_the_latent():
     assert cfg.use_sparse_attention and (cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim) == (16, 16, 16)
     assert not cfg.index_rope_interleave  # V3.2's indexer rotates halves
     layout = kv_block_layout(cfg, ParallelConfig(8, 8), block_size=4, dtype="float32")
-    assert layout.pool_fields == ("k", "index_k") and layout.pool_dims == (cfg.latent_dim, 16)
+    assert layout.pool_names == ("k", "index_k") and layout.pool_dims == (cfg.latent_dim, 16)
     # per token and layer: the latent (32 + 8) and the key (16), float32
     assert layout.bytes_per_block_per_device(1, 1) == 4 * (40 + 16) * 4
     fp8 = kv_block_layout(cfg, ParallelConfig(8, 8), block_size=4, dtype="float8_e4m3fn")
@@ -150,3 +150,13 @@ def test_glm5_reads_its_shared_layers_and_interleaved_indexer():
     assert ModelConfig.from_hf(config).index_shared_layers == ()  # the default: every layer its own indexer
     with pytest.raises(ValueError, match="indexer_types must name each of the 3 layers 'full' or 'shared', the first"):
         ModelConfig.from_hf(config | {"indexer_types": ["shared", "full", "full"]})
+
+
+def test_the_built_in_tiny_model_runs_sparse_at_dcp_8():
+    """`tiny-deepseek-v32` (random weights, top-k 16): a 40-token prompt at TP 8 / DCP 8 selects (more
+    positions than the top-k on every rank's share) and decodes to the end."""
+    llm = dcpjax.LLM("tiny-deepseek-v32", tensor_parallel_size=8, decode_context_parallel_size=8, block_size=4,
+                     kv_cache_memory_bytes=8 << 20)
+    assert llm.model_config.use_sparse_attention and llm.model_config.index_topk == 16
+    out = llm.generate([{"prompt_token_ids": list(range(3, 43))}], dcpjax.SamplingParams(temperature=0, max_tokens=8))
+    assert len(out[0].outputs[0].token_ids) == 8 and out[0].outputs[0].finish_reason == "length"

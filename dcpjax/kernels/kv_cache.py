@@ -84,6 +84,8 @@ class _Pools:
         like the KV (one scale per token) when the cache is fp8."""
         if self.index_k is None:
             raise ValueError("this cache has no indexer keys (index_k): only a sparse-attention layer's has")
+        if (jnp.dtype(self.index_k.dtype) == jnp.dtype(FP8)) != (self.index_k_scale is not None):
+            raise ValueError("an fp8 index_k needs index_k_scale to be written")
         index_k, index_k_scale = _store(self.index_k, self.index_k_scale, new_keys[:, None], slots)
         return dataclasses.replace(self, index_k=index_k, index_k_scale=index_k_scale)
 

@@ -54,8 +54,9 @@ def index_scores(q: jax.Array, weights: jax.Array, keys: KVCache, bounds: jax.Ar
 
     def one_pass(total, qw):
         qs, ws = qw
-        dots = jnp.einsum("bthd,bsd->bths", qs, pages) * scale
-        return total + jnp.einsum("bth,bths->bts", ws, jax.nn.relu(dots)), None
+        # float32 products on every platform (not TF32 / bf16 passes): near-ties at the k-th score decide
+        dots = jnp.einsum("bthd,bsd->bths", qs, pages, precision=jax.lax.Precision.HIGHEST) * scale
+        return total + jnp.einsum("bth,bths->bts", ws, jax.nn.relu(dots), precision=jax.lax.Precision.HIGHEST), None
 
     total = jnp.zeros((*q.shape[:2], pages.shape[1]), jnp.float32)
     total, _ = jax.lax.scan(one_pass, total, (qf, wf))

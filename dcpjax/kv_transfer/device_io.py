@@ -52,7 +52,7 @@ def describe(runner) -> KVLayout:
                     kv_heads=kv_heads, pool_dims=tuple(kv.pool_dims), kv_dtype=np.dtype(kv.dtype).name, tp=pc.tp,
                     dcp=pc.dcp, interleave=pc.interleave, block_size=kv.block_size,
                     head_repeats=kv.kv_slots // kv_heads, state_shapes=state_shapes,
-                    pool_names=tuple(kv.pool_fields))
+                    pool_names=tuple(kv.pool_names))
 
 
 class KVMover:

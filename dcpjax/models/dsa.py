@@ -100,7 +100,8 @@ class SparseMLAttention(MLAttention):
 
 class SelectionSharingLayer(DecoderLayer):
     """A decoder layer that hands its attention's selection of positions to the next (GLM-5's "shared"
-    indexer layers attend with the previous layer's)."""
+    indexer layers attend with the previous layer's). DeepSeek's pre-norm residual layer: no sandwich
+    norms (Gemma's), which no sparse-attention model has."""
 
     def __call__(self, x, batch: StepBatch, kv, ctx: StepContext, selection: Selection | None = None):
         attended, kv, selection = self.attention.forward(self.input_norm(x), batch, kv, ctx, selection)

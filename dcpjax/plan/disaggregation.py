@@ -71,7 +71,7 @@ def sender_layout(cfg: ModelConfig, kv_dtype) -> KVLayout:
     kv = kv_block_layout(cfg, ParallelConfig(1), block_size=1, dtype=kv_dtype)
     return KVLayout(architecture=cfg.architecture,
                     layers=tuple("linear" if cfg.is_linear(i) else "kv" for i in range(cfg.num_hidden_layers)),
-                    kv_heads=kv.kv_slots, pool_dims=tuple(kv.pool_dims), pool_names=tuple(kv.pool_fields),
+                    kv_heads=kv.kv_slots, pool_dims=tuple(kv.pool_dims), pool_names=tuple(kv.pool_names),
                     kv_dtype=np.dtype(kv.dtype).name, tp=1, dcp=1, interleave=1, block_size=1)
 
 

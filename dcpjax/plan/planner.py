@@ -21,7 +21,7 @@ from dcpjax.models.kv_groups import KVCacheGroups
 from dcpjax.models.registry import layout_problems
 from dcpjax.plan import experts
 from dcpjax.plan.kv_capacity import kv_capacity
-from dcpjax.plan.step_bytes import collective_bytes, dense_read_bytes, kv_read_bytes
+from dcpjax.plan.step_bytes import collective_bytes, dense_read_bytes, kv_read_bytes, top_k_merges
 from dcpjax.plan.units import FP8, GB
 from dcpjax.runner.kv_layout import kv_block_layout, kv_cache_layout
 from dcpjax.sharding.config import ParallelConfig
@@ -133,8 +133,8 @@ def plan_size(cfg: ModelConfig, pc: ParallelConfig, *, device: Device, link: Lin
     moe = experts.combine_bytes(cfg, pc.tp, batch=batch, act_bytes=q_bytes)
     hbm = (weight_read + kv_read + state_traffic) / (device.hbm_tbps * 1e12)
     moe_seconds = moe / (link.gbps * GB)
-    top_k_merge = cfg.use_sparse_attention and context > cfg.index_topk  # one more all_gather a layer
-    dcp_seconds = {comm: traffic[comm] / (link.gbps * GB) + cfg.num_kv_layers * (n + top_k_merge) * link.latency_us
+    merges = top_k_merges(cfg, context)  # sparse attention: one more all_gather per indexed layer
+    dcp_seconds = {comm: traffic[comm] / (link.gbps * GB) + (cfg.num_kv_layers * n + merges) * link.latency_us
                    * 1e-6 if pc.dcp > 1 else 0.0 for comm, n in COLLECTIVES_PER_LAYER.items()}
     steps = {comm: hbm + moe_seconds + seconds for comm, seconds in dcp_seconds.items()}
     return row | {"batch": batch, "kv_read_bytes_per_step": kv_read, "state_bytes_per_step": state_traffic,

@@ -25,7 +25,7 @@ class KVCacheLayout:
     pool_dims: tuple[int, ...]  # last dim of each pool of a layer: (dk, dv), (latent,) for MLA
     dtype: jnp.dtype  # float8_e4m3fn: quantised, with a float32 scale per token and head
     # the `KVPools` field of each pool: ("k", "v"), MLA ("k",), MLA with DSA's indexer keys ("k", "index_k")
-    pool_fields: tuple[str, ...] = ("k", "v")
+    pool_names: tuple[str, ...] = ("k", "v")
 
     @property
     def quantized(self) -> bool:
@@ -33,10 +33,10 @@ class KVCacheLayout:
 
     def share_of(self, field: str) -> float:
         """The part of a stored token's bytes in pool `field` (0 for a pool this cache has not)."""
-        if field not in self.pool_fields:
+        if field not in self.pool_names:
             return 0.0
         per_pool = [d * jnp.dtype(self.dtype).itemsize + (4 if self.quantized else 0) for d in self.pool_dims]
-        return per_pool[self.pool_fields.index(field)] / sum(per_pool)
+        return per_pool[self.pool_names.index(field)] / sum(per_pool)
 
     def bytes_per_block_per_device(self, num_layers: int, tp_groups: int) -> int:
         local_heads = self.kv_slots // tp_groups

@@ -132,15 +132,15 @@ class ModelRunner:
 
     def _empty_cache(self) -> KVPools:
         """One layer's all-zero pools, [kv_slots, DCP * num_blocks, block_size, d] over the mesh (each of
-        `kv_layout.pool_fields`, and their fp8 scales)."""
+        `kv_layout.pool_names`, and their fp8 scales)."""
         kv, pc = self.kv_layout, self.pc
         local_heads = kv.kv_slots // pc.kv_head_groups
         zeros = self._zeros
         pool = lambda dim: zeros((local_heads, kv.num_blocks, kv.block_size, dim), kv.dtype, RULES.kv_pool_spec)
         scales = lambda: zeros((local_heads, kv.num_blocks, kv.block_size), jnp.float32, RULES.kv_scale_spec)
-        pools = {field: pool(dim) for field, dim in zip(kv.pool_fields, kv.pool_dims, strict=True)}
+        pools = {field: pool(dim) for field, dim in zip(kv.pool_names, kv.pool_dims, strict=True)}
         if kv.quantized:
-            pools |= {f"{field}_scale": scales() for field in kv.pool_fields}
+            pools |= {f"{field}_scale": scales() for field in kv.pool_names}
         dv = kv.pool_dims[1] if "v" in pools else self.cfg.kv_lora_rank  # MLA: V is the latent's first part
         return KVPools(**({"v": None} | pools), v_head_dim=dv)
 

@@ -321,6 +321,7 @@ def dcp_decode_attention(
 def _sparse_decode_fn(mesh: Mesh, pc: ParallelConfig, spec: KVCache, index_spec: KVCache, options: AttentionOptions,
                       top_k: int, index_scale: float):
     def body(q, cache: KVCache, index_q, index_weights, index_cache: KVCache, lengths):
+        index_cache = index_cache.with_block_tables(cache.block_tables)  # one table addresses both pools
         out, lse, selection = dcp_sparse_attention(q[:, None], cache, index_q[:, None], index_weights[:, None],
                                                    index_cache, lengths[:, None], pc, options, top_k, index_scale)
         if selection is None:  # dense: every position each query sees, in order
@@ -347,11 +348,13 @@ def dcp_sparse_decode_attention(q: jax.Array, cache: KVCache, index_q: jax.Array
       index_q: [batch, index_heads, index_dim], the indexer's queries (replicated).
       index_weights: [batch, index_heads], each indexer head's weight.
       index_cache: the indexer's keys from `shard_kv_cache(keys [batch, seq, 1, index_dim], None,
-        v_head_dim=index_dim, ...)` with the same block size and tables as `cache`.
+        v_head_dim=index_dim, ...)` with the same block size, blocks and tables as `cache` (`cache`'s
+        tables address both).
       top_k: positions each query attends to; index_scale: the indexer's q . k scale.
       attention_backend: "auto" | "pallas" | "reference" (`kernels.sparse.sparse_attention`).
     Returns out [batch, q_heads, dv] (q's dtype), lse [batch, q_heads] float32 and the selected
-    positions [batch, top_k] int32, best first (ties: the lowest position), -1 where fewer exist.
+    positions [batch, top_k] int32, best first (ties: the lowest position), -1 where fewer exist; when no
+    sequence can see more than top_k positions nothing is scored and they are every position in order.
     """
     check_mesh(mesh, pc)
     if q.ndim != 3 or q.shape[2] != cache.k.shape[3]:

@@ -7,7 +7,7 @@ it owns (the KV layout), so per query and layer:
      array, and a sort by (score descending, position ascending) on every rank give the exact
      global top-k: an element of the global top-k has fewer than k elements above it anywhere, so
      it is in its own rank's local top-k. Ties go to the lowest position (`jax.lax.top_k`'s rule,
-     the float64 oracle's; torch's CPU topk follows no fixed rule, see DESIGN.md);
+     the float64 oracle's; torch's CPU topk follows no fixed rule: docs/models.md, sparse attention);
   3. each rank attends over the selected positions it owns (k latents read per query, not the
      context) and `merge_over_dcp` combines the ranks as for dense attention: a rank that owns
      none of them gives the merge's identity (out 0, lse -inf).
