@@ -7,7 +7,8 @@ A DeepSeek-V3.2-like layer at TP 8 (128 heads over a 512 + 64 latent; an indexer
 top-k 2,048), one decode query per sequence over the same sharded cache:
   1. dense MLA (`dcp_decode_attention`) and sparse attention (`dcp_sparse_decode_attention`: the
      indexer's scores over every position, the exact global top-k, attention over the selected latents),
-     timed side by side in one run at each DCP size (the jnp reference on CPU: XLA's fused gathers);
+     timed side by side in one run at each DCP size (the median of --repeats calls after two warm-ups;
+     the jnp reference on CPU: XLA's fused gathers);
   2. the KV bytes each reads per step and device (dense: every latent; sparse: every indexer key and
      k latents), and the collective bytes from the compiled HLO (sparse adds the top-k all_gather).
 Prints a markdown table (benchmarks/RESULTS.md) and optionally JSON.
@@ -19,7 +20,6 @@ import argparse
 import functools
 import json
 import sys
-import time
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 
@@ -32,21 +32,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import dcpjax
+from dcpjax.bench.timing import median_seconds
 from dcpjax.sharding.attention import dcp_sparse_decode_attention
 from dcpjax.sharding.traffic import hlo_collective_bytes
 
 TP, HEADS, LORA, ROPE = 8, 128, 512, 64
 INDEX_HEADS, INDEX_DIM, TOP_K = 64, 128, 2048
-
-
-def timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def run(dcp: int, batch: int, context: int, repeats: int) -> dict:
@@ -69,8 +60,8 @@ def run(dcp: int, batch: int, context: int, repeats: int) -> dict:
              for name, fn, args in (("dense", dense, dense_args), ("sparse", sparse, sparse_args))}
     per_device = batch * context / dcp * 4  # float32 values per position this device holds, times 4 bytes
     return {"dcp": dcp, "batch": batch, "context": context,
-            "dense_ms": 1e3 * timed(lambda: dense(*dense_args), repeats),
-            "sparse_ms": 1e3 * timed(lambda: sparse(*sparse_args), repeats),
+            "dense_ms": 1e3 * median_seconds(lambda: dense(*dense_args), repeats),
+            "sparse_ms": 1e3 * median_seconds(lambda: sparse(*sparse_args), repeats),
             "dense_read_mb": per_device * (LORA + ROPE) / 1e6,
             "sparse_read_mb": (per_device * INDEX_DIM + batch * TOP_K / dcp * (LORA + ROPE) * 4) / 1e6,
             "dense_collective_kb": moved["dense"] / 1e3, "sparse_collective_kb": moved["sparse"] / 1e3}
