@@ -75,6 +75,16 @@ def local_top_k(scores: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
     return jax.lax.top_k(scores, min(top_k, scores.shape[-1]))
 
 
+def gather_tokens(pool: jax.Array | None, block_tables: jax.Array, tokens: jax.Array) -> jax.Array | None:
+    """pool [H, num_blocks, block_size, ...] -> [H, B, T, K, ...]: each query's tokens [B, T, K] (local
+    indices into its row's pages, block_tables [B, P]) read by (block, offset); None stays None."""
+    if pool is None:
+        return None
+    block_size = pool.shape[2]
+    blocks = jnp.take_along_axis(block_tables[:, None, :], tokens // block_size, axis=2)  # [B, T, K]
+    return pool[:, blocks, tokens % block_size]
+
+
 def sparse_attention_reference(q: jax.Array, kv: KVCache, indices: jax.Array, selected: jax.Array,
                                sm_scale: float) -> tuple[jax.Array, jax.Array]:
     """Attention of each query over its own selected tokens only.
@@ -90,13 +100,8 @@ def sparse_attention_reference(q: jax.Array, kv: KVCache, indices: jax.Array, se
     nothing gives 0 and -inf (the LSE merge's identity).
     Reads K tokens per query from the pages, gathered by (block, offset).
     """
-    block_size = kv.block_size
     safe = jnp.where(selected, indices, 0)
-    pages = jnp.take_along_axis(kv.block_tables[:, None, :], safe // block_size, axis=2)  # [B, T, K]
-    offsets = safe % block_size
-
-    def take(pool):  # [H, num_blocks, bs, ...] -> [H, B, T, K, ...]
-        return pool[:, pages, offsets]
+    take = lambda pool: gather_tokens(pool, kv.block_tables, safe)  # [H, B, T, K, ...]
 
     k = take(kv.k)
     if kv.quantized:
@@ -135,12 +140,11 @@ def sparse_attention(q: jax.Array, kv: KVCache, indices: jax.Array, selected: ja
     indices, selected = jnp.pad(indices, pad), jnp.pad(selected, pad)
     order = jnp.argsort(~selected, axis=-1, stable=True)  # the selected tokens first
     tokens = jnp.where(jnp.take_along_axis(selected, order, -1), jnp.take_along_axis(indices, order, -1), 0)
-    pages = jnp.take_along_axis(kv.block_tables[:, None, :], tokens // kv.block_size, axis=2)  # [B, T, K]
 
     def take(pool):  # [H, num_blocks, bs, ...] -> [B * T, K, H, ...]: one sequence per query
-        if pool is None:
+        taken = gather_tokens(pool, kv.block_tables, tokens)  # [H, B, T, K, ...]
+        if taken is None:
             return None
-        taken = pool[:, pages, tokens % kv.block_size]  # [H, B, T, K, ...]
         return jnp.moveaxis(taken, 0, 3).reshape(batch * queries, padded, *taken.shape[:1], *taken.shape[4:])
 
     gathered = KVCache.from_sequences(take(kv.k), take(kv.v), v_head_dim=kv.v_head_dim, k_scale=take(kv.k_scale),

@@ -26,7 +26,7 @@ from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, 
 from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
 from dcpjax.models.family import ModelFamily
 from dcpjax.models.layers import GatedMLP, RMSNorm, expert_axes, out_projection, param, routed_experts
-from dcpjax.models.rope import apply_rope, rope_frequencies
+from dcpjax.models.rope import apply_rope_pairs, rope_frequencies
 from dcpjax.models.weight_rules import Rule, same
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.local_ops import dcp_attention
@@ -65,9 +65,7 @@ class MLAttention(nnx.Module):
         self.q_lora = bool(cfg.q_lora_rank)
 
     def _rope(self, x, positions):
-        if self.interleave:  # pairs (x0, x1), (x2, x3), ... -> halves, then rotate-half
-            x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-        return apply_rope(x, positions, self.inv_freq, self.rope_factor)
+        return apply_rope_pairs(x, positions, self.inv_freq, self.rope_factor, self.interleave)
 
     def __call__(self, x, batch: StepBatch, kv: KVPools, ctx: StepContext):
         """x [B, T, hidden]; kv: this rank's latent pool [1, blocks, block_size, lora + rope] (v None).

@@ -26,7 +26,7 @@ from dcpjax.models.deepseek import FAMILY as DEEPSEEK_FAMILY
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM, MLAttention, deepseek_checkpoint_rules, deepseek_config_fields
 from dcpjax.models.family import ModelFamily
 from dcpjax.models.layers import LayerNorm, param
-from dcpjax.models.rope import apply_rope
+from dcpjax.models.rope import apply_rope_pairs
 from dcpjax.models.weight_rules import Rule, head_rows, same, transposed
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.sparse import Selection, dcp_attend_selected, dcp_top_k, is_dense
@@ -50,9 +50,8 @@ class Indexer(nnx.Module):
     def _rope(self, x, positions):
         """RoPE on the first rope_dim dims of x [B, T, heads, dim]; the rest pass."""
         rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        if self.interleave:  # GLM-5: pairs (x0, x1), ... -> halves, as MLA's
-            rot = jnp.concatenate([rot[..., 0::2], rot[..., 1::2]], axis=-1)
-        return jnp.concatenate([apply_rope(rot, positions, self.inv_freq, self.rope_factor), rest], axis=-1)
+        rot = apply_rope_pairs(rot, positions, self.inv_freq, self.rope_factor, self.interleave)  # GLM-5: pairs
+        return jnp.concatenate([rot, rest], axis=-1)
 
     def keys(self, x, positions):
         """x [B, T, hidden] -> one key per token [B, T, index_dim]."""

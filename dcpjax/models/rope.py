@@ -64,6 +64,16 @@ def rope_frequencies(rope: RopeConfig, rotary_dim: int) -> tuple[np.ndarray, flo
     raise ValueError(f"unsupported rope_type {rope.rope_type!r}")
 
 
+def apply_rope_pairs(x: jax.Array, positions: jax.Array, inv_freq, attention_factor: float,
+                     interleaved: bool) -> jax.Array:
+    """`apply_rope` for weights whose rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek's MLA, GLM-5's
+    indexer) when `interleaved`: regrouped into halves first. q and k both regrouped, their dot product
+    is unchanged, so the result stays in halves."""
+    if interleaved:
+        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+    return apply_rope(x, positions, inv_freq, attention_factor)
+
+
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, attention_factor: float) -> jax.Array:
     """Rotate x [..., T, heads, rotary_dim] by positions [..., T] (rotate-half convention)."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [..., T, rd/2]

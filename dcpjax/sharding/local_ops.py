@@ -38,6 +38,35 @@ def window_starts(bounds: jax.Array, window: int | None) -> jax.Array | None:
     return None if window is None else jnp.maximum(bounds - window, 0)
 
 
+def group_queries(q: jax.Array, pc: ParallelConfig) -> jax.Array:
+    """q [B, T, q_heads / TP, dk], this device's heads -> the q heads of its whole KV-head group
+    [B, T, q_heads / (TP / DCP), dk]: what each DCP rank attends with over its own positions."""
+    return jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True) if pc.dcp > 1 else q
+
+
+def merge_queries(out: jax.Array, lse: jax.Array, pc: ParallelConfig) -> tuple[jax.Array, jax.Array]:
+    """This rank's partials of its group's heads, out [B, T, group heads, dv] and lse [B, T, group heads],
+    merged over "dcp" into this device's own heads (float32)."""
+    batch, queries = out.shape[:2]
+    out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
+    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
+
+
+def local_ranges(bounds: jax.Array, block_size: int, pc: ParallelConfig, page_offsets: jax.Array | None = None,
+                 window: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+    """[B, T] global causal bounds -> each query's visible local tokens on this DCP rank, (ends, starts)
+    [B, T] in its row's pages (starts None: from 0); packed rows (`page_offsets`) start at their
+    sequence's blocks, a window at the first position it reaches."""
+    rank = jax.lax.axis_index(DCP_AXIS)
+    local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
+    lowest = window_starts(bounds, window)
+    starts = None if lowest is None else layout.local_length(lowest, rank, pc.dcp, pc.interleave)
+    if page_offsets is not None:
+        offset = page_offsets * block_size
+        local, starts = offset + local, offset + (0 if starts is None else starts)
+    return local, starts
+
+
 def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConfig,
                   options: AttentionOptions, page_offsets: jax.Array | None = None,
                   window: int | None = None) -> tuple[jax.Array, jax.Array]:
@@ -57,16 +86,6 @@ def dcp_attention(q: jax.Array, kv: KVCache, bounds: jax.Array, pc: ParallelConf
     Returns:
       out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
-    if pc.dcp > 1:  # the q heads of this device's whole KV-head group
-        q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
-    rank = jax.lax.axis_index(DCP_AXIS)
-    local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
-    lowest = window_starts(bounds, window)
-    starts = None if lowest is None else layout.local_length(lowest, rank, pc.dcp, pc.interleave)
-    if page_offsets is not None:
-        offset = page_offsets * kv.block_size
-        local, starts = offset + local, offset + (0 if starts is None else starts)
-    out, lse = attention(q, kv, local, options, starts)
-    batch, queries = out.shape[:2]
-    out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
-    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
+    ends, starts = local_ranges(bounds, kv.block_size, pc, page_offsets, window)
+    out, lse = attention(group_queries(q, pc), kv, ends, options, starts)
+    return merge_queries(out, lse, pc)

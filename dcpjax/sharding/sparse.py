@@ -28,8 +28,7 @@ from dcpjax.kernels import AttentionOptions, KVCache
 from dcpjax.kernels.sparse import index_scores, local_top_k, sparse_attention
 from dcpjax.sharding import layout
 from dcpjax.sharding.config import ParallelConfig
-from dcpjax.sharding.local_ops import dcp_attention
-from dcpjax.sharding.merge import merge_over_dcp
+from dcpjax.sharding.local_ops import dcp_attention, group_queries, local_ranges, merge_queries
 from dcpjax.sharding.mesh import DCP_AXIS
 
 
@@ -93,12 +92,12 @@ def dcp_top_k(index_q: jax.Array, index_weights: jax.Array, index_keys: KVCache,
       bounds: [B, T] global causal bounds; page_offsets: packed rows (`local_ops.dcp_attention`).
       top_k: positions each query attends to; index_scale: the indexer's q . k scale.
     """
-    rank = jax.lax.axis_index(DCP_AXIS)
-    local = layout.local_length(bounds, rank, pc.dcp, pc.interleave)
-    offset = jnp.zeros_like(local) if page_offsets is None else page_offsets * index_keys.block_size
-    scores = index_scores(index_q, index_weights, index_keys, offset + local, offset, index_scale)
+    ends, starts = local_ranges(bounds, index_keys.block_size, pc, page_offsets)
+    scores = index_scores(index_q, index_weights, index_keys, ends, starts, index_scale)
     values, indices = local_top_k(scores, top_k)
-    positions = layout.global_position(indices - offset[..., None], rank, pc.dcp, pc.interleave)
+    first = jnp.zeros_like(ends) if starts is None else starts  # a packed row's sequence starts there
+    positions = layout.global_position(indices - first[..., None], jax.lax.axis_index(DCP_AXIS), pc.dcp,
+                                       pc.interleave)
     selected, top = merge_top_k(values, positions.astype(jnp.int32), top_k, pc)
     return Selection(indices, selected, top)
 
@@ -110,12 +109,8 @@ def dcp_attend_selected(q: jax.Array, kv: KVCache, selection: Selection, pc: Par
     q: [B, T, q_heads / TP, dk]; kv: this rank's KV pages with block_tables [B, P] (MLA: the latent).
     Returns out [B, T, q_heads / TP, dv] float32 and lse [B, T, q_heads / TP] float32.
     """
-    if pc.dcp > 1:  # the q heads of this device's whole KV-head group
-        q = jax.lax.all_gather(q, DCP_AXIS, axis=2, tiled=True)
-    out, lse = sparse_attention(q, kv, selection.indices, selection.selected, options)
-    batch, queries = out.shape[:2]
-    out, lse = merge_over_dcp(out.reshape(batch * queries, *out.shape[2:]), lse.reshape(batch * queries, -1), pc)
-    return out.reshape(batch, queries, *out.shape[1:]), lse.reshape(batch, queries, -1)
+    out, lse = sparse_attention(group_queries(q, pc), kv, selection.indices, selection.selected, options)
+    return merge_queries(out, lse, pc)
 
 
 def dcp_sparse_attention(q: jax.Array, kv: KVCache, index_q: jax.Array, index_weights: jax.Array,
