@@ -3,6 +3,7 @@ that took longest in it, summed by name.
 
     python benchmarks/profile_decode.py                                   # SmolLM2, 1 CPU device, batch 1
     python benchmarks/profile_decode.py --batch 16 --dtype bfloat16 --trace-dir /tmp/trace
+    python benchmarks/profile_decode.py --quantization gguf                # the GGUF held quantized
 
 The trace (TensorBoard / Perfetto format) stays in --trace-dir. The speed itself, side by side
 with transformers and against the weight-read floor, is `python -m dcpjax.bench throughput`.
@@ -42,6 +43,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--quantization", default=None, help="as LLM(quantization=...): gguf holds the GGUF quantized")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--trace-dir", default=None, help="default: a temporary folder")
     args = p.parse_args(argv)
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
     import dcpjax
 
     llm = dcpjax.LLM(args.model, dtype=args.dtype, max_model_len=args.input_len + args.new_tokens + 1,
-                     max_num_seqs=args.batch, compilation_cache_dir="none")
+                     max_num_seqs=args.batch, compilation_cache_dir="none", quantization=args.quantization)
     rng = np.random.default_rng(0)
     prompts = [{"prompt_token_ids": rng.integers(100, llm.model_config.vocab_size - 1, args.input_len).tolist()}
                for _ in range(args.batch)]

@@ -106,11 +106,11 @@ class LLM:
         (its own implementations of the supported architectures).
       quantization: how weights are held on the devices (vLLM's name). None / "auto": as the
         checkpoint holds them (an fp8 checkpoint's weights fp8 with their block scales, a GGUF
-        file's types as int8 codes with their scales, except on CPU, where a GGUF is dequantized
-        at load: faster there); "fp8": fp8 block-scaled (an unquantized checkpoint quantized at
-        load, in 128 x 128 blocks); "gguf": a GGUF file's own types;
-        "none": every weight dequantized at load into `dtype`. Held weights are dequantized in
-        `dtype` where they are used (weight-only quantization); see docs/quantization.md.
+        file's types as int8 codes with their scales; on a CPU where the quantized-matmul kernel
+        cannot be compiled a GGUF is dequantized at load, faster there); "fp8": fp8 block-scaled
+        (an unquantized checkpoint quantized at load, in 128 x 128 blocks); "gguf": a GGUF file's
+        own types; "none": every weight dequantized at load into `dtype`. Held weights go through
+        one quantized matmul with no whole float copy (weight-only); see docs/quantization.md.
       kv_transfer_config: prefill/decode disaggregation (vLLM's KVTransferConfig, a dict or its JSON):
         {"kv_role": "kv_producer"} hands prompts' KV on, {"kv_role": "kv_consumer"} pulls it (a
         request's `SamplingParams.extra_args["kv_transfer_params"]`); see docs/serving.md.

@@ -41,7 +41,7 @@ def main() -> None:
                                           for e, t in zip(out.prompt_logprobs, out.prompt_token_ids)]
             rows.append(row)
         results.append({"layout": layout, "kv_cache_size_tokens": llm.kv_cache_size_tokens, "seconds": seconds,
-                        "outputs": rows})
+                        "held_quantized": bool(llm.model_weights.held), "outputs": rows})
         del llm
         gc.collect()
     json.dump({"layouts": results}, sys.stdout)

@@ -214,3 +214,9 @@ def test_sparse_attention_benchmark_smoke(tmp_path):
     assert "| 2 |" in out
     (row,) = json.loads(rows_file.read_text())
     assert row["sparse_collective_kb"] * 1e3 == pytest.approx(row["dense_collective_kb"] * 1e3 + 4 * 2048 * 8 * 1)
+
+
+def test_quantized_matmul_benchmark_smoke():
+    out = _run("benchmarks/quantized_matmul.py", "--rows", "1", "--calls", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| 576 x 1536 [K, N] | 1 |")]
+    assert len(rows) == 1 and rows[0].endswith("| 1.0 |")  # 0.88 M codes + their float16 scales and minimums

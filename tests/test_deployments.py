@@ -21,10 +21,13 @@ def test_the_package_finds_the_repository_configs():
 
 
 def test_a_wheel_carries_them():
-    """package-data ships what configs_dir() reads: the files under dcpjax/configs."""
+    """package-data ships what configs_dir() reads: the files under dcpjax/configs (and the CPU kernel's
+    source, which `quantization.cpu_kernel` compiles on first use)."""
     package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    globbed = {path.name for pattern in package_data["dcpjax"] for path in (ROOT / "dcpjax").glob(pattern)}
-    assert globbed == {f"{name}.json" for name in deployments.config_names()}
+    globbed = {path.relative_to(ROOT / "dcpjax").as_posix() for pattern in package_data["dcpjax"]
+               for path in (ROOT / "dcpjax").glob(pattern)}
+    kernel = {"quantization/cpu_kernel/quantized_matmul.cc"}
+    assert globbed == {f"configs/{name}.json" for name in deployments.config_names()} | kernel
 
 
 def test_an_unknown_name_lists_the_shipped_ones():

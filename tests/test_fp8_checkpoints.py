@@ -208,7 +208,8 @@ def test_per_tensor_scales_are_read(tmp_path):
     got, want = held.generate(prompts, params)[0].outputs[0], floats.generate(prompts, params)[0].outputs[0]
     assert got.token_ids == want.token_ids
     for a, b in zip(got.logprobs, want.logprobs):
-        assert {t: round(x.logprob, 5) for t, x in a.items()} == {t: round(x.logprob, 5) for t, x in b.items()}
+        # the held matmul sums each block before its scale: float32 rounding apart, not bit for bit
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 5e-5 for t in a)
 
 
 def test_random_weights_of_an_fp8_model_are_held_as_its_checkpoint_would_be():

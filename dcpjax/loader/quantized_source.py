@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from dcpjax.loader.tensor_source import TensorSource, slice_ranges
+from dcpjax.quantization import cpu_kernel
 from dcpjax.quantization.formats import DEFAULT_FP8_BLOCK, FP8_DTYPE, BlockFormat, CheckpointQuantization, fp8_format
 from dcpjax.quantization.fp8 import quantize_blocks, scales_per_element
 
@@ -178,13 +179,12 @@ class OnlineFp8Source(_Wrapped):
 
 
 def _say_held_is_slower_on_cpu(quantization: str) -> None:
-    """A holding slower than float was chosen (asked for, or an fp8 checkpoint's own): say why, once
-    per load, where a user sees it (the time is otherwise unexplained)."""
+    """A holding slower than float was chosen (asked for, or an fp8 checkpoint's own) on a CPU without the
+    compiled kernel: say why, once per load, where a user sees it (the time is otherwise unexplained)."""
     log = logger.warning if quantization != "auto" else logger.info
-    log("weights held quantized on CPU (quantization=%r): XLA:CPU writes each held weight out in float before its "
-        "matmul, so decode is slower than with quantization='none' (SmolLM2's GGUF: about 6x at batch 1, 2.6x at "
-        "batch 16; docs/quantization.md); the weights take less memory. For speed: --quantization none",
-        quantization)
+    log("weights held quantized on CPU (quantization=%r) without the compiled kernel (no C++ compiler, or "
+        "DCPJAX_CPU_KERNEL=0): the XLA path dequantizes a tile at a time, slower than quantization='none'; the "
+        "weights take less memory (docs/quantization.md)", quantization)
 
 
 def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bool,
@@ -195,9 +195,11 @@ def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bo
     `checkpoint`: what the weights hold (an fp8 checkpoint's quantization_config: read as fp8
     whatever is asked); `shipped`: what the model's config says it ships as, which random weights
     (`load_format="dummy"`) follow under "auto", so they hold what the checkpoint would. "auto"
-    holds what the checkpoint holds, except a GGUF file on CPU, which it dequantizes at load:
-    XLA:CPU materializes a held weight in float at every use, at a few GB/s (SmolLM2: 6x slower at
-    batch 1, 2.6x at batch 16, benchmarks/RESULTS.md); "gguf" holds it there too."""
+    holds what the checkpoint holds; on a CPU without the compiled quantized-matmul kernel
+    (`quantization.cpu_kernel`) it dequantizes a GGUF file at load instead, since XLA's own path is
+    slower than float there (with the kernel, held SmolLM2 decodes 1.3-1.6x faster than float at
+    batch 1 and even at batch 16: benchmarks/RESULTS.md); "gguf" holds it either way. The kernel is
+    built (`cpu_kernel.available()`) only where something could be held."""
     quantization = quantization or "auto"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")
@@ -206,12 +208,15 @@ def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bo
     if quantization == "gguf" and not is_gguf:
         raise ValueError("quantization='gguf' holds a GGUF file's own quantized types; these weights are not read "
                          "from a GGUF file (use 'fp8' to quantize them at load, or 'auto')")
-    if quantization == "auto" and is_gguf and platform == "cpu":
+    could_hold = is_gguf or checkpoint is not None or quantization == "fp8" or (
+        quantization == "auto" and shipped is not None)
+    kernel = platform != "cpu" or quantization == "none" or not could_hold or cpu_kernel.available()
+    if quantization == "auto" and is_gguf and not kernel:
         quantization = "none"
     if quantization == "none":
         return FloatSource(source)
     wants_fp8 = quantization == "fp8" or (quantization == "auto" and shipped is not None)
-    if platform == "cpu" and (quantization != "auto" or wants_fp8 or checkpoint is not None):
+    if not kernel and (quantization != "auto" or wants_fp8 or checkpoint is not None):
         _say_held_is_slower_on_cpu(quantization)
     if wants_fp8 and checkpoint is None:
         return OnlineFp8Source(source, shipped.weight_block_size if shipped else DEFAULT_FP8_BLOCK)

@@ -25,7 +25,7 @@ from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, mla_attention_rules, mlp_rules
 from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
 from dcpjax.models.family import ModelFamily
-from dcpjax.models.layers import GatedMLP, RMSNorm, expert_axes, out_projection, param, routed_experts
+from dcpjax.models.layers import GatedMLP, RMSNorm, expert_axes, linear, out_projection, param, routed_experts
 from dcpjax.models.rope import apply_rope_pairs, rope_frequencies
 from dcpjax.models.weight_rules import Rule, same
 from dcpjax.sharding.config import ParallelConfig
@@ -79,13 +79,13 @@ class MLAttention(nnx.Module):
         """`__call__`, handing a sparse layer's selection of positions in and out (`attend`): the
         output [B, T, hidden], kv and the selection this layer attended with (None when dense)."""
         positions = batch.positions
-        q_resid = self.q_a_norm(x @ self.q_a[...]) if self.q_lora else None
+        q_resid = self.q_a_norm(linear(x, self.q_a)) if self.q_lora else None
         if self.q_lora:
-            q = jnp.einsum("btr,rhd->bthd", q_resid, self.q_b[...])
+            q = linear(q_resid, self.q_b)
         else:
-            q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+            q = linear(x, self.q_proj)
         q_nope, q_rope = q[..., : self.nope], self._rope(q[..., self.nope :], positions)
-        compressed = x @ self.kv_a[...]  # [B, T, lora + rope]
+        compressed = linear(x, self.kv_a)  # [B, T, lora + rope]
         latent = jnp.concatenate(
             [self.kv_a_norm(compressed[..., : self.lora]),
              self._rope(compressed[..., None, self.lora :], positions)[:, :, 0]],
@@ -100,7 +100,7 @@ class MLAttention(nnx.Module):
         options = dataclasses.replace(ctx.attention, sm_scale=self.sm_scale)
         out_latent, kv, selection = self.attend(q_absorbed, x, q_resid, batch, kv, ctx.pc, options, selection)
         out = jnp.einsum("bthc,hvc->bthv", out_latent.astype(x.dtype), self.w_uv[...])
-        out = out_projection(out, self.o_proj[...])
+        out = out_projection(out, self.o_proj)
         return reduce_model(out), kv, selection
 
     def attend(self, q_absorbed, x, q_resid, batch: StepBatch, kv: KVPools, pc: ParallelConfig, options,

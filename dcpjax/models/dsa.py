@@ -25,7 +25,7 @@ from dcpjax.models.config import ModelConfig
 from dcpjax.models.deepseek import FAMILY as DEEPSEEK_FAMILY
 from dcpjax.models.deepseek import DeepseekV3ForCausalLM, MLAttention, deepseek_checkpoint_rules, deepseek_config_fields
 from dcpjax.models.family import ModelFamily
-from dcpjax.models.layers import LayerNorm, param
+from dcpjax.models.layers import LayerNorm, linear, param
 from dcpjax.models.rope import apply_rope_pairs
 from dcpjax.models.weight_rules import Rule, head_rows, same, transposed
 from dcpjax.sharding.config import ParallelConfig
@@ -55,11 +55,11 @@ class Indexer(nnx.Module):
 
     def keys(self, x, positions):
         """x [B, T, hidden] -> one key per token [B, T, index_dim]."""
-        return self._rope(self.k_norm(x @ self.wk[...])[:, :, None], positions)[:, :, 0]
+        return self._rope(self.k_norm(linear(x, self.wk))[:, :, None], positions)[:, :, 0]
 
     def queries(self, x, q_resid, positions):
         """-> queries [B, T, index_heads, index_dim] and head weights [B, T, index_heads] float32."""
-        q = self._rope(jnp.einsum("btr,rhd->bthd", q_resid, self.wq_b[...]), positions)
+        q = self._rope(linear(q_resid, self.wq_b), positions)
         weights = x.astype(jnp.float32) @ self.weights_proj[...] * self.weight_scale
         return q, weights
 

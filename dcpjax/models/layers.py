@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from dcpjax.quantization.weight import take_rows
+from dcpjax.quantization.weight import linear, linear_transposed, take_rows
 from dcpjax.sharding.config import ParallelConfig
 from dcpjax.sharding.mesh import MODEL_AXES, RULES, gather_model, reduce_model
 
@@ -141,7 +141,7 @@ class GatedMLP(nnx.Module):
 
     def partial(self, x: jax.Array) -> jax.Array:
         """This device's share of the output, before the reduction over all TP devices."""
-        return (ACTIVATIONS[self.activation](x @ self.gate[...]) * (x @ self.up[...])) @ self.down[...]
+        return linear(ACTIVATIONS[self.activation](linear(x, self.gate)) * linear(x, self.up), self.down)
 
 
 class VocabEmbedding(nnx.Module):
@@ -160,7 +160,7 @@ class VocabEmbedding(nnx.Module):
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [..., hidden] -> this device's logits [..., padded vocab / TP] (float32)."""
-        return jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        return linear_transposed(x, self.weight, out_dtype=jnp.float32)
 
 
 class LMHead(nnx.Module):
@@ -169,10 +169,10 @@ class LMHead(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., hidden] -> this device's logits [..., padded vocab / TP] (float32)."""
-        return jnp.einsum("...e,ev->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        return linear(x, self.weight, out_dtype=jnp.float32)
 
 
-def out_projection(out: jax.Array, o_proj: jax.Array) -> jax.Array:
+def out_projection(out: jax.Array, o_proj) -> jax.Array:
     """Attention output [B, T, heads, d] x o_proj [heads, d, hidden] -> [B, T, hidden] (this
     device's partial sum over its heads).
 
@@ -181,8 +181,7 @@ def out_projection(out: jax.Array, o_proj: jax.Array) -> jax.Array:
     every step of every layer (a fifth of SmolLM2's decode step); flattened, it copies the
     small activation instead, if anything.
     """
-    flat = out.reshape(*out.shape[:-2], -1)
-    return flat @ o_proj.reshape(-1, o_proj.shape[-1])
+    return linear(out, o_proj, contract=2)
 
 
 def gather_vocab(local_logits: jax.Array, vocab_size: int) -> jax.Array:

@@ -23,7 +23,7 @@ from dcpjax.models.base import CausalLM, DecoderLayer, StepBatch, StepContext
 from dcpjax.models.component_rules import decoder_rules, dense_or_routed_rules, gqa_attention_rules
 from dcpjax.models.config import BYTE_EOS, BYTE_VOCAB, ModelConfig, RopeConfig
 from dcpjax.models.family import GGUFArchitecture, ModelFamily
-from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, out_projection, param
+from dcpjax.models.layers import GatedMLP, RMSNorm, SparseMoE, linear, out_projection, param
 from dcpjax.models.rope import apply_rope, rope_frequencies
 from dcpjax.models.weight_rules import Rule
 from dcpjax.sharding.config import ParallelConfig
@@ -72,12 +72,12 @@ class LlamaAttention(nnx.Module):
         Returns the attention output [B, T, hidden] (replicated) and the updated kv.
         """
         positions = batch.positions
-        q = jnp.einsum("bte,ehd->bthd", x, self.q_proj[...])
+        q = linear(x, self.q_proj)
         gate = None
         if self.output_gate:  # each head's query, then its gate
             q, gate = jnp.split(q, 2, axis=-1)
-        k = jnp.einsum("bte,ehd->bthd", x, self.k_proj[...])
-        v = jnp.einsum("bte,ehd->bthd", x, self.v_proj[...])
+        k = linear(x, self.k_proj)
+        v = linear(x, self.v_proj)
         if self.has_bias:
             q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
         if self.has_qk_norm:
@@ -92,7 +92,7 @@ class LlamaAttention(nnx.Module):
         out = out.astype(x.dtype)
         if gate is not None:
             out = out * jax.nn.sigmoid(gate)
-        out = out_projection(out, self.o_proj[...])
+        out = out_projection(out, self.o_proj)
         return reduce_model(out), kv
 
 

@@ -29,7 +29,7 @@ from dcpjax.models.component_rules import (
 from dcpjax.models.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 from dcpjax.models.family import ModelFamily
 from dcpjax.models.gated_delta import CHUNK, causal_conv, gated_delta_rule
-from dcpjax.models.layers import param
+from dcpjax.models.layers import linear, param
 from dcpjax.models.llama import LlamaAttention, llama_mlp
 from dcpjax.models.weight_rules import Rule, transposed
 from dcpjax.sharding.config import ParallelConfig
@@ -78,7 +78,7 @@ class GatedDeltaNet(nnx.Module):
         b, t, hidden = x.shape
         flat = x.reshape(b * t, hidden)
         slots, positions = batch.seq_slots.reshape(-1), batch.positions.reshape(-1)
-        project = lambda w: jnp.einsum("ne,ehd->nhd", flat, w[...])
+        project = lambda w: linear(flat, w)
 
         def convolve(value, weight, conv_state):  # [N, heads, d] through the causal conv of its channels
             n, heads, d = value.shape
@@ -91,13 +91,13 @@ class GatedDeltaNet(nnx.Module):
         v, conv_v = convolve(project(self.v_proj), self.conv_v, state.conv_v)
         group = v.shape[1] // q.shape[1]  # value heads per key head
         q, k = jnp.repeat(q, group, axis=1), jnp.repeat(k, group, axis=1)
-        beta = jax.nn.sigmoid((flat @ self.b_proj[...]).astype(jnp.float32))
-        log_decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus((flat @ self.a_proj[...]).astype(jnp.float32)
+        beta = jax.nn.sigmoid(linear(flat, self.b_proj).astype(jnp.float32))
+        log_decay = -jnp.exp(self.a_log[...]) * jax.nn.softplus(linear(flat, self.a_proj).astype(jnp.float32)
                                                                  + self.dt_bias[...])
         out, recurrent = gated_delta_rule(q, k, v, log_decay, beta, slots, positions, state.recurrent,
                                           chunk=CHUNK if batch.packed else t, independent=not batch.packed)
         out = self.norm(out.astype(x.dtype), project(self.z_proj))  # [N, value heads, dv]
-        out = jnp.einsum("nhd,hde->ne", out, self.out_proj[...])
+        out = linear(out, self.out_proj, contract=2)
         return reduce_model(out).reshape(b, t, hidden), LinearState(conv_q, conv_k, conv_v, recurrent)
 
 

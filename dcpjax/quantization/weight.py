@@ -15,9 +15,13 @@ divide each device's share, so a TP split through a block stays exact.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from dcpjax.quantization.matmul import quantized_matmul
 
 
 def dequantize(values: jax.Array, scale: jax.Array, offset: jax.Array | None, dtype) -> jax.Array:
@@ -58,6 +62,19 @@ class QuantizedWeight(nnx.Module):
     def shape(self) -> tuple[int, ...]:
         return tuple(self.values.shape)
 
+    def matrix(self, contract: int) -> tuple[jax.Array, jax.Array, jax.Array | None] | None:
+        """(values [K, N], scale, offset [K / gk, N / gn]) of the weight as a matrix whose first `contract`
+        axes are K (each device's shard inside shard_map); None where the flattened blocks are not runs of
+        one length (the caller then dequantizes)."""
+        shape, scale_shape = self.values.shape, self.scale.shape
+        groups = tuple(n // s for n, s in zip(shape, scale_shape))
+        gk, gn = uniform_group(shape[:contract], groups[:contract]), uniform_group(shape[contract:], groups[contract:])
+        if gk is None or gn is None:
+            return None
+        k, n = math.prod(shape[:contract]), math.prod(shape[contract:])
+        as_2d = lambda part: None if part is None else part[...].reshape(k // gk, n // gn)
+        return self.values[...].reshape(k, n), as_2d(self.scale), as_2d(self.offset)
+
     def take_rows(self, rows: jax.Array) -> jax.Array:
         """Rows `rows` [...] of a 2-D weight [n, d] -> [..., d] (only those rows dequantized)."""
         group = self.values.shape[0] // self.scale.shape[0]
@@ -73,3 +90,39 @@ def take_rows(weight, rows: jax.Array) -> jax.Array:
     if isinstance(weight, QuantizedWeight):
         return weight.take_rows(rows)
     return jnp.take(weight[...], rows, axis=0)
+
+
+def uniform_group(sizes: tuple[int, ...], groups: tuple[int, ...]) -> int | None:
+    """The group of the flattened axes `sizes` (row-major) whose per-axis groups are `groups`: after the
+    first axis with a group > 1 every axis must lie whole in one group (else the flattened blocks are
+    not runs of one length: None)."""
+    for i, g in enumerate(groups):
+        if g > 1:
+            if any(gj != n for gj, n in zip(groups[i + 1:], sizes[i + 1:])):
+                return None
+            return g * math.prod(sizes[i + 1:])
+    return 1
+
+
+def linear(x: jax.Array, weight, contract: int = 1, out_dtype=None) -> jax.Array:
+    """x [..., *weight.shape[:contract]] @ weight [*in, *out] -> [..., *out] in `out_dtype` (default x's).
+
+    As one 2-D product [..., K] @ [K, N]; a `QuantizedWeight` through `quantization.matmul.quantized_matmul`
+    (no float copy of the whole weight), a float one through XLA's dot (contracting several axes
+    separately let XLA:CPU transpose the weight at every step: a copy of it per call)."""
+    shape = tuple(weight.shape)
+    k, n = math.prod(shape[:contract]), math.prod(shape[contract:])
+    lead = x.shape[:x.ndim - contract]
+    flat = x.reshape(*lead, k)
+    if isinstance(weight, QuantizedWeight) and (matrix := weight.matrix(contract)) is not None:
+        y = quantized_matmul(flat, *matrix).astype(out_dtype or x.dtype)
+    else:
+        y = jnp.matmul(flat, weight[...].reshape(k, n), preferred_element_type=out_dtype)
+    return y.reshape(*lead, *shape[contract:])
+
+
+def linear_transposed(x: jax.Array, weight, out_dtype=None) -> jax.Array:
+    """x [..., K] @ weight [N, K].T -> [..., N] (a tied embedding table used as the LM head)."""
+    if isinstance(weight, QuantizedWeight) and (matrix := weight.matrix(1)) is not None:
+        return quantized_matmul(x, *matrix, transposed=True).astype(out_dtype or x.dtype)
+    return jnp.einsum("...k,nk->...n", x, weight[...], preferred_element_type=out_dtype)

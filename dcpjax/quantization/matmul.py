@@ -1,0 +1,139 @@
+"""One quantized matmul for every held weight: y = x @ dequantize(values, scale, offset), with no float
+copy of the whole weight.
+
+The weight as a matrix, in one of two layouts:
+    [K, N] (`transposed=False`): a Linear as dcpjax holds it ([in, out]); scale, offset [K / gk, N / gn]
+    [N, K] (`transposed=True`):  a tied embedding table [vocab, hidden];  scale, offset [N / gn, K / gk]
+with int8 (GGUF codes) or float8_e4m3fn values, float16 / float32 scales, and w = values * scale (+ offset)
+per block of gk x gn elements (the groups follow from the shapes, as in `weight.dequantize`).
+
+Backends (`backend=`):
+    "kernel": the compiled CPU kernel (`cpu_kernel`, an XLA custom call): each weight byte is read once and
+              converted in registers. The CPU default for up to `KERNEL_MAX_ROWS` rows.
+    "tiled":  XLA only: a loop over tiles of `tile_rows` rows along K, each tile dequantized (a tile's float
+              copy stays in cache, never the whole weight), multiplied and accumulated. The CPU path for
+              more rows (prefill, where the matmul's arithmetic, not the weight read, bounds the time) and
+              without a compiler.
+    "dequantize": the whole weight dequantized, then one dot (what XLA:GPU / TPU fuse; the oracle's order).
+"auto": "kernel" or "tiled" on CPU; "dequantize" elsewhere (XLA:GPU / TPU fuse the convert into the dot's
+operand; a Pallas kernel for them is the next step, not built yet).
+All agree with a float64 `x @ dequantize(w)` up to float32 rounding (they sum in other orders).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from dcpjax.quantization import cpu_kernel
+
+BACKENDS = ("auto", "kernel", "tiled", "dequantize")
+KERNEL_MAX_ROWS = 64  # beyond this many rows of x, XLA's float GEMM outruns the kernel (compute-bound)
+TILE_BYTES = 1 << 20  # "tiled": a tile's float32 copy fits a core's L2 (measured: benchmarks/quantized_matmul.py)
+
+
+def groups_of(values_shape: tuple[int, ...], scale_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Elements per scale along each axis."""
+    return tuple(n // s for n, s in zip(values_shape, scale_shape))
+
+
+def dequantize_matrix(values: jax.Array, scale: jax.Array, offset: jax.Array | None) -> jax.Array:
+    """values [R, C] * scale [R / gr, C / gc] (+ offset) -> [R, C] float32."""
+    (rows, cols), (gr, gc) = values.shape, groups_of(values.shape, scale.shape)
+    spread = lambda a: a.astype(jnp.float32)[:, None, :, None]
+    w = values.astype(jnp.float32).reshape(rows // gr, gr, cols // gc, gc) * spread(scale)
+    if offset is not None:
+        w = w + spread(offset)
+    return w.reshape(rows, cols)
+
+
+def tile_rows(k: int, n: int, group_k: int, tile_bytes: int = TILE_BYTES) -> int:
+    """The "tiled" path's rows per tile along K: the most whole groups that divide K and keep a tile's
+    float32 copy within `tile_bytes` (at least one group)."""
+    best = group_k
+    for groups in range(1, k // group_k + 1):
+        rows = groups * group_k
+        if k % rows == 0 and rows * n * 4 <= tile_bytes:
+            best = rows
+    return best
+
+
+def _tiled(x: jax.Array, values: jax.Array, scale: jax.Array, offset: jax.Array | None, transposed: bool,
+           tile_bytes: int) -> jax.Array:
+    axis = 1 if transposed else 0  # K's axis in values
+    k, n = values.shape[axis], values.shape[1 - axis]
+    gk = groups_of(values.shape, scale.shape)[axis]
+    rows = tile_rows(k, n, gk, tile_bytes)
+
+    def tile(i, acc):
+        take = lambda a, size: jax.lax.dynamic_slice_in_dim(a, i * size, size, axis=axis)
+        part = dequantize_matrix(take(values, rows), take(scale, rows // gk),
+                                 None if offset is None else take(offset, rows // gk))
+        xs = jax.lax.dynamic_slice_in_dim(x, i * rows, rows, axis=1)
+        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+        return acc + jax.lax.dot_general(xs, part, dims, preferred_element_type=jnp.float32)
+
+    zero = jnp.zeros((x.shape[0], n), jnp.float32)
+    return jax.lax.fori_loop(0, k // rows, tile, zero) if k > rows else tile(0, zero)
+
+
+def _kernel(x: jax.Array, values: jax.Array, scale: jax.Array, offset: jax.Array | None,
+            transposed: bool) -> jax.Array:
+    gr, gc = groups_of(values.shape, scale.shape)
+    gk, gn = (gc, gr) if transposed else (gr, gc)
+    n = values.shape[0] if transposed else values.shape[1]
+    call = jax.ffi.ffi_call(cpu_kernel.TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(jnp.float32), values, scale, scale if offset is None else offset,
+                group_k=int(gk), group_n=int(gn), transposed=int(transposed), has_offset=int(offset is not None))
+
+
+def _dequantize(x, values, scale, offset, transposed):
+    # the weight in x's dtype (bfloat16 on GPU / TPU: the dot runs at that dtype's speed), summed in float32
+    w = dequantize_matrix(values, scale, offset).astype(x.dtype)
+    dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+    return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def _on_cpu(x, values, scale, offset, transposed, tile_bytes):
+    # platform_dependent traces every branch: a GPU / TPU host neither builds the kernel nor warns about it
+    on_cpu_host = jax.default_backend() == "cpu"
+    if x.shape[0] <= KERNEL_MAX_ROWS and on_cpu_host and cpu_kernel.available():
+        return _kernel(x, values, scale, offset, transposed)
+    return _tiled(x, values, scale, offset, transposed, tile_bytes)
+
+
+def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *,
+                     transposed: bool = False, backend: str = "auto", tile_bytes: int = TILE_BYTES) -> jax.Array:
+    """x [..., K] @ dequantize(values, scale, offset) -> [..., N] float32 (layouts: the module docstring).
+
+    Runs on the arrays it is given: inside `shard_map`, each device's shard (a TP cut through a block is
+    exact because the groups follow from the local shapes). A custom call declares no varying mesh axes,
+    so such a `shard_map` runs with `check_vma=False`, as dcpjax's model runner does."""
+    if backend not in BACKENDS:
+        raise ValueError(f"quantized_matmul backend must be one of {BACKENDS}, got {backend!r}")
+    if values.ndim != 2 or scale.ndim != 2 or (offset is not None and offset.shape != scale.shape):
+        raise ValueError(f"quantized_matmul takes 2-D values and scales of one shape, got values {values.shape}, "
+                         f"scale {scale.shape}, offset {None if offset is None else offset.shape}")
+    if any(n % s for n, s in zip(values.shape, scale.shape)):
+        raise ValueError(f"scale {scale.shape} does not divide values {values.shape} into whole blocks")
+    k = values.shape[1] if transposed else values.shape[0]
+    if x.shape[-1] != k:
+        raise ValueError(f"x's last axis {x.shape[-1]} is not the weight's K {k} (values {values.shape}, "
+                         f"transposed={transposed})")
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), k)
+    args = (x2, values, scale, offset, transposed)
+    if backend == "kernel":
+        if not cpu_kernel.available():
+            raise RuntimeError("the compiled CPU kernel is not available (no C++ compiler, its build failed: see the "
+                               "warning logged, or DCPJAX_CPU_KERNEL=0)")
+        y = _kernel(*args)
+    elif backend == "tiled":
+        y = _tiled(*args, tile_bytes)
+    elif backend == "dequantize":
+        y = _dequantize(*args)
+    else:
+        y = jax.lax.platform_dependent(cpu=lambda: _on_cpu(*args, tile_bytes), default=lambda: _dequantize(*args))
+    return y.reshape(*lead, y.shape[-1])

@@ -1,0 +1,136 @@
+"""The one quantized matmul (`dcpjax.quantization.matmul`): every backend against a float64 numpy
+`x @ dequantize(w)`, for every held format (GGUF int8 codes with float16 / float32 scales, with and
+without minimums; fp8 e4m3 with 128-wide blocks along both axes), both layouts, odd shapes, rows of x
+on each of the compiled kernel's paths, and a weight cut over TP devices through its blocks."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dcpjax.quantization import cpu_kernel
+from dcpjax.quantization.matmul import quantized_matmul, tile_rows
+from dcpjax.quantization.weight import uniform_group
+
+BACKENDS = ["kernel", "tiled", "dequantize"]
+
+
+def oracle(x, values, scale, offset, transposed):
+    """float64 x @ (values * scale + offset), the blocks spread over the elements."""
+    (rows, cols), (sr, sc) = values.shape, scale.shape
+    spread = lambda a: np.repeat(np.repeat(np.asarray(a, np.float64), rows // sr, 0), cols // sc, 1)
+    w = np.asarray(values.astype(np.float32), np.float64) * spread(scale)
+    if offset is not None:
+        w = w + spread(offset)
+    return np.asarray(x, np.float64) @ (w.T if transposed else w)
+
+
+def bound(x, values, scale, offset, transposed):
+    """float32 rounding's scale for each output: |x| @ |w| (a sum of K products, each rounded)."""
+    absolute = lambda a: None if a is None else np.abs(np.asarray(a, np.float64))
+    return oracle(np.abs(x), np.abs(values.astype(np.float32)), absolute(scale), absolute(offset), transposed)
+
+
+def make(rng, m, k, n, gk, gn, transposed, fmt, scale_dtype, with_offset):
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    shape, scales = ((n, k), (n // gn, k // gk)) if transposed else ((k, n), (k // gk, n // gn))
+    if fmt == "int8":
+        values = rng.integers(-32, 32, shape).astype(np.int8)
+    else:
+        values = np.asarray(jnp.asarray(rng.standard_normal(shape) * 64, jnp.float8_e4m3fn))
+    scale = (rng.random(scales) * 0.02 + 0.001).astype(scale_dtype)
+    offset = (rng.standard_normal(scales) * 0.02).astype(scale_dtype) if with_offset else None
+    return x, values, scale, offset
+
+
+CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset
+    (1, 576, 1536, 32, 1, False, "int8", np.float16, True),  # SmolLM2's Q4_1 gate at decode
+    (3, 96, 37, 32, 1, False, "int8", np.float16, True),  # the streaming path's last rows; N past the vectors
+    (5, 64, 200, 16, 1, False, "int8", np.float32, False),  # register tiles (4 rows, then 1); Q6_K-like groups
+    (9, 96, 61, 32, 1, False, "int8", np.float16, True),  # SmolLM2's Q4_1 at batch 9: tiles with minimums
+    (17, 256, 45, 128, 15, False, "fp8", np.float32, False),  # fp8 blocks across columns (gn > 1)
+    (1, 256, 384, 128, 128, False, "fp8", np.float32, False),
+    (2, 160, 50, 32, 1, True, "fp8", np.float32, False),  # a tied embedding table [N, K]
+    (1, 128, 333, 32, 1, True, "int8", np.float16, True),
+    (6, 96, 40, 32, 1, True, "int8", np.float16, False),
+    (5, 64, 19, 32, 1, True, "int8", np.float16, True),  # a Q8_0-like table, 4 rows at a time, with minimums
+    (4, 40, 24, 20, 8, True, "int8", np.float32, True),  # blocks that are not whole vectors
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(getattr(v, "__name__", str(v)) for v in c))
+def test_equals_float64_within_float32_rounding(case, backend):
+    if backend == "kernel" and not cpu_kernel.available():
+        pytest.skip("no C++ compiler here: the compiled CPU kernel is not built")
+    m, k, n, gk, gn, transposed, fmt, scale_dtype, with_offset = case
+    x, values, scale, offset = make(np.random.default_rng(m * k + n), m, k, n, gk, gn, transposed, fmt,
+                                    scale_dtype, with_offset)
+    fn = jax.jit(lambda *a: quantized_matmul(*a, transposed=transposed, backend=backend, tile_bytes=4096))
+    got = np.asarray(fn(x, values, scale, offset), np.float64)
+    assert got.shape == (m, n)
+    np.testing.assert_array_less(np.abs(got - oracle(x, values, scale, offset, transposed)),
+                                 4 * k * 2.0 ** -24 * bound(x, values, scale, offset, transposed) + 1e-30)
+
+
+def test_the_kernel_builds_where_a_compiler_is():
+    """With a C++ compiler on the machine the kernel must build: a broken build would otherwise only skip
+    the kernel's cases above and send every held weight down the slower XLA path."""
+    if cpu_kernel.DISABLE_ENV in os.environ or cpu_kernel._compiler() is None:
+        pytest.skip("no C++ compiler here, or the kernel turned off")
+    assert cpu_kernel.available()
+
+
+def test_auto_backend_on_cpu_and_leading_axes():
+    """"auto": the kernel up to KERNEL_MAX_ROWS rows, the tiled XLA path past them; x keeps its leading axes."""
+    rng = np.random.default_rng(0)
+    for rows in (2, 100):
+        x, values, scale, offset = make(rng, rows, 64, 48, 32, 1, False, "int8", np.float16, True)
+        got = np.asarray(jax.jit(quantized_matmul)(x.reshape(2, rows // 2, 64), values, scale, offset))
+        assert got.shape == (2, rows // 2, 48)
+        np.testing.assert_allclose(got.reshape(rows, 48), oracle(x, values, scale, offset, False), rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_cut_over_tp_devices_through_its_blocks():
+    """fp8 [128, 128] blocks on a [256, 96] weight cut over 4 devices: column-parallel (24 columns each,
+    inside one block) and row-parallel (64 rows each, half a block, summed by psum), as the loader holds
+    them: each device's groups are its share of the block, the block's scale repeated."""
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(3)
+    x, values, scale, _ = make(rng, 2, 256, 96, 128, 96, False, "fp8", np.float32, False)
+    want = oracle(x, values, scale, None, False)
+    mesh = jax.make_mesh((4,), ("tp",), devices=jax.devices()[:4])
+    columns = np.repeat(scale, 4, axis=1)  # [2, 4]: one scale per device's 24 columns
+    rows = np.repeat(scale, 2, axis=0)  # [4, 1]: one scale per device's 64 rows
+    column_parallel = jax.jit(jax.shard_map(lambda x, v, s: quantized_matmul(x, v, s), mesh=mesh,
+                                            in_specs=(P(), P(None, "tp"), P(None, "tp")), out_specs=P(None, "tp"),
+                                            check_vma=False))  # as the model runner's
+    row_parallel = jax.jit(jax.shard_map(lambda x, v, s: jax.lax.psum(quantized_matmul(x, v, s), "tp"), mesh=mesh,
+                                         in_specs=(P(None, "tp"), P("tp"), P("tp")), out_specs=P(), check_vma=False))
+    put = lambda a, *spec: jax.device_put(a, jax.sharding.NamedSharding(mesh, P(*spec)))
+    got = column_parallel(put(x), put(values, None, "tp"), put(columns, None, "tp"))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    got = row_parallel(put(x, None, "tp"), put(values, "tp"), put(rows, "tp"))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_flattened_groups_and_tiles():
+    assert uniform_group((9, 64), (1, 1)) == 1
+    assert uniform_group((9, 64), (1, 32)) == 32  # blocks within each head
+    assert uniform_group((8, 64), (2, 64)) == 128  # two whole heads per block
+    assert uniform_group((8, 64), (2, 32)) is None  # 2-D blocks: not runs of one length
+    assert tile_rows(1536, 576, 32, 1 << 20) == 384  # the most rows whose float32 copy fits 1 MiB, dividing K
+    assert tile_rows(96, 1 << 20, 32, 1 << 20) == 32  # at least one group
+
+
+def test_bad_input_says_what_is_wrong():
+    x, values, scale, _ = make(np.random.default_rng(1), 1, 64, 8, 32, 1, False, "int8", np.float16, True)
+    with pytest.raises(ValueError, match="x's last axis 63 is not the weight's K 64"):
+        quantized_matmul(x[:, :63], values, scale)
+    with pytest.raises(ValueError, match="does not divide values"):
+        quantized_matmul(x, values, scale[:, :3])
+    with pytest.raises(ValueError, match="backend must be one of"):
+        quantized_matmul(x, values, scale, backend="cuda")
