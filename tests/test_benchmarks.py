@@ -37,6 +37,7 @@ def test_attention_benchmark_smoke(comm, collective):
 def test_gpu_check_dry_run_on_cpu():
     out = _run("benchmarks/gpu_check.py", "--cpu-smoke")
     assert sum("PASS" in line for line in out.splitlines() if line.startswith("|")) == 4
+    assert "Pallas within 0.01 of dequantize: True" in out  # the quantized matmul's GPU program, interpreted
 
 
 def test_decode_benchmark_smoke():
@@ -219,4 +220,7 @@ def test_sparse_attention_benchmark_smoke(tmp_path):
 def test_quantized_matmul_benchmark_smoke():
     out = _run("benchmarks/quantized_matmul.py", "--rows", "1", "--calls", "1")
     rows = [line for line in out.splitlines() if line.startswith("| 576 x 1536 [K, N] | 1 |")]
-    assert len(rows) == 1 and rows[0].endswith("| 1.0 |")  # 0.88 M codes + their float16 scales and minimums
+    assert len(rows) == 1
+    cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert cells[-3] == "1.0"  # held MB: 0.88 M codes + their float16 scales and minimums
+    assert all(float(d.split()[1]) < 1e-5 for d in cells[-1].split(", "))  # each backend vs "dequantize"

@@ -179,6 +179,31 @@ def test_held_without_the_cpu_kernel_takes_the_xla_path(tmp_path, monkeypatch):
             assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 5e-5 for t in a)
 
 
+def test_held_through_the_pallas_kernel(tmp_path, monkeypatch):
+    """$DCPJAX_QUANTIZED_MATMUL=pallas (the GPU / TPU kernel, interpreted here) at TP 4 / DCP 2 on a model
+    whose every local linear and tied head tile (K groups of 32, of 16 where TP cuts a block): no weight takes
+    another path, and the tokens and logprobs are the dequantized folder's."""
+    from dcpjax.quantization import matmul, pallas_matmul
+
+    shapes, elsewhere = [], []
+    original = pallas_matmul.quantized_matmul_pallas
+    monkeypatch.setattr(pallas_matmul, "quantized_matmul_pallas",
+                        lambda x, v, *a, **kw: shapes.append(v.shape) or original(x, v, *a, **kw))
+    monkeypatch.setattr(matmul, "_on_cpu", lambda *a: elsewhere.append(a[1].shape))
+    monkeypatch.setitem(BASE, "vocab_size", 320)  # 80 rows of the head per device, 32 columns of the MLP
+    monkeypatch.setitem(BASE, "intermediate_size", 128)
+    monkeypatch.setenv("DCPJAX_QUANTIZED_MATMUL", "pallas")
+    path, folder = write_pair(tmp_path, "llama", Q.Q8_0, True)
+    held, got = run(path, quantization="gguf")
+    assert held.model_weights.held and (80, 64) in shapes and (16, 64) in shapes and not elsewhere
+    monkeypatch.delenv("DCPJAX_QUANTIZED_MATMUL")
+    _, want = run(folder)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for a, b in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 5e-5 for t in a)
+
+
 def write_tokenizer_folder(folder):
     """A Hugging Face tokenizer over the same byte vocabulary that adds BOS (the GGUF's does not)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

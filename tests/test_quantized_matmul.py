@@ -1,7 +1,8 @@
 """The one quantized matmul (`dcpjax.quantization.matmul`): every backend against a float64 numpy
 `x @ dequantize(w)`, for every held format (GGUF int8 codes with float16 / float32 scales, with and
 without minimums; fp8 e4m3 with 128-wide blocks along both axes), both layouts, odd shapes, rows of x
-on each of the compiled kernel's paths, and a weight cut over TP devices through its blocks."""
+on each of the compiled kernel's paths, and a weight cut over TP devices through its blocks. The Pallas kernel
+runs interpreted here (its GPU and TPU programs) and is lowered for CUDA and TPU from this CPU host."""
 
 import os
 
@@ -11,10 +12,11 @@ import numpy as np
 import pytest
 
 from dcpjax.quantization import cpu_kernel
-from dcpjax.quantization.matmul import quantized_matmul, tile_rows
+from dcpjax.quantization.matmul import BACKEND_ENV, quantized_matmul, tile_rows
+from dcpjax.quantization.pallas_matmul import pallas_problem, quantized_matmul_pallas
 from dcpjax.quantization.weight import uniform_group
 
-BACKENDS = ["kernel", "tiled", "dequantize"]
+BACKENDS = ["kernel", "tiled", "dequantize", "pallas"]
 
 
 def oracle(x, values, scale, offset, transposed):
@@ -69,10 +71,98 @@ def test_equals_float64_within_float32_rounding(case, backend):
     x, values, scale, offset = make(np.random.default_rng(m * k + n), m, k, n, gk, gn, transposed, fmt,
                                     scale_dtype, with_offset)
     fn = jax.jit(lambda *a: quantized_matmul(*a, transposed=transposed, backend=backend, tile_bytes=4096))
-    got = np.asarray(fn(x, values, scale, offset), np.float64)
-    assert got.shape == (m, n)
+    if backend == "pallas" and pallas_problem(k, n, gk, "gpu"):  # the kernel's tiles: said, not guessed
+        with pytest.raises(ValueError, match="Pallas quantized matmul cannot tile"):
+            fn(x, values, scale, offset)
+        return
+    assert_close_to_oracle(fn(x, values, scale, offset), x, values, scale, offset, transposed)
+
+
+def assert_close_to_oracle(got, x, values, scale, offset, transposed):
+    got = np.asarray(got, np.float64)
+    assert got.shape == (x.shape[0], values.shape[0] if transposed else values.shape[1])
     np.testing.assert_array_less(np.abs(got - oracle(x, values, scale, offset, transposed)),
-                                 4 * k * 2.0 ** -24 * bound(x, values, scale, offset, transposed) + 1e-30)
+                                 4 * x.shape[1] * 2.0 ** -24 * bound(x, values, scale, offset, transposed) + 1e-30)
+
+
+PALLAS_CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset, GPU K splits
+    (1, 576, 1536, 32, 1, False, "int8", np.float16, True, 3),  # SmolLM2's gate; groups split unevenly
+    (70, 512, 128, 64, 1, False, "int8", np.float32, True, 2),  # two blocks of 64 rows (GPU), 72 rows (TPU)
+    (17, 256, 256, 128, 128, False, "fp8", np.float32, False, 2),
+    (2, 160, 64, 32, 1, True, "fp8", np.float32, False, 5),  # a tied table: a split per group
+    (3, 128, 48, 32, 1, True, "int8", np.float16, True, 1),
+]
+
+
+@pytest.mark.parametrize("target", ["gpu", "tpu"])
+@pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: "-".join(getattr(v, "__name__", str(v)) for v in c))
+def test_pallas_programs_equal_float64(case, target):
+    """Both Pallas programs, interpreted: the GPU one with its K splits, the TPU one with its chunks (1 MiB
+    of codes each: several on the gate's 576 x 1536)."""
+    m, k, n, gk, gn, transposed, fmt, scale_dtype, with_offset, splits = case
+    x, values, scale, offset = make(np.random.default_rng(k + n), m, k, n, gk, gn, transposed, fmt, scale_dtype,
+                                    with_offset)
+    got = quantized_matmul_pallas(jnp.asarray(x), values, scale, offset, transposed=transposed, group_k=gk,
+                                  group_n=gn, target=target, interpret=True,
+                                  num_splits=splits if target == "gpu" else None)
+    assert_close_to_oracle(got, x, values, scale, offset, transposed)
+
+
+def test_pallas_in_bfloat16_rounds_x_only():
+    """bfloat16 activations (GPU / TPU models): the codes convert exactly, so the result is x rounded to
+    bfloat16 times the weight, summed in float32."""
+    x, values, scale, offset = make(np.random.default_rng(2), 4, 256, 64, 32, 1, False, "int8", np.float16, True)
+    rounded = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+    got = jax.jit(lambda *a: quantized_matmul(*a, backend="pallas"))(jnp.asarray(x, jnp.bfloat16), values, scale,
+                                                                      offset)
+    assert_close_to_oracle(got, rounded, values, scale, offset, False)
+
+
+def test_the_environment_picks_pallas_where_it_tiles(monkeypatch):
+    """$DCPJAX_QUANTIZED_MATMUL=pallas: "auto" runs the kernel on each weight it can tile and the
+    platform's default on the rest (an engine's weights are cut in many shapes); a bad name is refused."""
+    calls = []
+    import dcpjax.quantization.pallas_matmul as module
+
+    monkeypatch.setattr(module, "quantized_matmul_pallas",
+                        lambda *a, **kw: calls.append(kw["group_k"]) or quantized_matmul_pallas(*a, **kw))
+    monkeypatch.setenv(BACKEND_ENV, "pallas")
+    rng = np.random.default_rng(4)
+    for gk in (32, 20):  # 20: not a power of two, so the default path
+        x, values, scale, offset = make(rng, 2, 160, 64, gk, 1, False, "int8", np.float16, True)
+        assert_close_to_oracle(quantized_matmul(x, values, scale, offset), x, values, scale, offset, False)
+    assert calls == [32]
+    monkeypatch.setenv(BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match="DCPJAX_QUANTIZED_MATMUL must be one of"):
+        quantized_matmul(x, values, scale)
+
+
+def export_for(platform, device_kind, fn, *args):
+    """Lower `fn` for another platform from this CPU host (an abstract device stands in)."""
+    from test_kernels import export_for as export
+
+    return export(platform, device_kind, fn, *args)
+
+
+LOWERING_CASES = {  # x, values, scale, values dtype, minimums, transposed, gk, gn, x dtype
+    "q4_1-gate-8b": ((1, 4096), (4096, 14336), (128, 14336), jnp.int8, True, False, 32, 1, jnp.bfloat16),
+    "fp8-blocks-v3": ((16, 7168), (7168, 2048), (56, 16), jnp.float8_e4m3fn, False, False, 128, 128, jnp.bfloat16),
+    "q8_0-tied-head": ((4, 576), (49152, 576), (49152, 18), jnp.int8, False, True, 32, 1, jnp.float32),
+}
+
+
+@pytest.mark.parametrize("platform, device_kind, target, marker", [
+    ("cuda", "NVIDIA H200", "gpu", "__gpu$xla.gpu.triton"), ("tpu", "TPU v6 lite", "tpu", "tpu_custom_call")])
+@pytest.mark.parametrize("case", list(LOWERING_CASES))
+def test_pallas_lowers_for_gpu_and_tpu(case, platform, device_kind, target, marker):
+    """The compiled (not interpreted) kernels lower at real sizes: Triton for CUDA, Mosaic for TPU."""
+    xs, vs, ss, vdtype, minimums, transposed, gk, gn, xdtype = LOWERING_CASES[case]
+    S = jax.ShapeDtypeStruct
+    fn = lambda x, v, s, o: quantized_matmul_pallas(x, v, s, o, transposed=transposed, group_k=gk, group_n=gn,
+                                                    target=target, interpret=False)
+    exported = export_for(platform, device_kind, fn, S(xs, xdtype), S(vs, vdtype), S(ss, jnp.float16),
+                          S(ss, jnp.float16) if minimums else None)
+    assert marker in exported.mlir_module()
 
 
 def test_the_kernel_builds_where_a_compiler_is():
@@ -134,3 +224,6 @@ def test_bad_input_says_what_is_wrong():
         quantized_matmul(x, values, scale[:, :3])
     with pytest.raises(ValueError, match="backend must be one of"):
         quantized_matmul(x, values, scale, backend="cuda")
+    assert "power of two >= 16" in pallas_problem(96, 64, 24, "gpu")
+    assert "no column block" in pallas_problem(64, 40, 32, "gpu")
+    assert "no column block" in pallas_problem(64, 1000, 32, "tpu")

@@ -15,21 +15,27 @@ Backends (`backend=`):
               more rows (prefill, where the matmul's arithmetic, not the weight read, bounds the time) and
               without a compiler.
     "dequantize": the whole weight dequantized, then one dot (what XLA:GPU / TPU fuse; the oracle's order).
-"auto": "kernel" or "tiled" on CPU; "dequantize" elsewhere (XLA:GPU / TPU fuse the convert into the dot's
-operand; a Pallas kernel for them is the next step, not built yet).
+    "pallas": the Pallas kernel (`pallas_matmul`): Triton on GPU, Mosaic on TPU, interpreted on CPU; codes
+              converted a K group at a time in registers / VMEM. Needs K groups of a power of two >= 16
+              (GGUF's 32, fp8's 128) and N a multiple of 16 (GPU) or 128 (TPU).
+"auto": $DCPJAX_QUANTIZED_MATMUL when set (one of the backends: how an engine picks "pallas"); else "kernel"
+or "tiled" on CPU and "dequantize" elsewhere, since XLA:GPU / TPU fuse the convert into the dot's operand
+and the Pallas kernel has not yet been timed against that on a GPU or TPU (`benchmarks/gpu_check.py` does).
 All agree with a float64 `x @ dequantize(w)` up to float32 rounding (they sum in other orders).
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 
-from dcpjax.quantization import cpu_kernel
+from dcpjax.quantization import cpu_kernel, pallas_matmul
 
-BACKENDS = ("auto", "kernel", "tiled", "dequantize")
+BACKENDS = ("auto", "kernel", "tiled", "dequantize", "pallas")
+BACKEND_ENV = "DCPJAX_QUANTIZED_MATMUL"  # the backend "auto" stands for, when set
 KERNEL_MAX_ROWS = 64  # beyond this many rows of x, XLA's float GEMM outruns the kernel (compute-bound)
 TILE_BYTES = 1 << 20  # "tiled": a tile's float32 copy fits a core's L2 (measured: benchmarks/quantized_matmul.py)
 
@@ -96,6 +102,38 @@ def _dequantize(x, values, scale, offset, transposed):
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
+def _pallas_problem(values, scale, transposed, platform: str) -> str | None:
+    axis = 1 if transposed else 0  # K's axis in values
+    gk = groups_of(values.shape, scale.shape)[axis]
+    return pallas_matmul.pallas_problem(values.shape[axis], values.shape[1 - axis], gk, _pallas_target(platform))
+
+
+def _pallas_target(platform: str) -> str:
+    return "tpu" if platform == "tpu" else "gpu"  # CPU interprets the GPU kernel
+
+
+def _pallas(x, values, scale, offset, transposed, platform: str):
+    axis = 1 if transposed else 0
+    gk, gn = groups_of(values.shape, scale.shape)[axis], groups_of(values.shape, scale.shape)[1 - axis]
+    return pallas_matmul.quantized_matmul_pallas(x, values, scale, offset, transposed=transposed, group_k=int(gk),
+                                                 group_n=int(gn), target=_pallas_target(platform),
+                                                 interpret=platform == "cpu")
+
+
+def _auto(args, tile_bytes):
+    """$DCPJAX_QUANTIZED_MATMUL, where it applies: "pallas" serves each weight the kernel can tile (the
+    platform's default the others); else the platform's default."""
+    chosen = os.environ.get(BACKEND_ENV, "auto")
+    if chosen not in BACKENDS:
+        raise ValueError(f"${BACKEND_ENV} must be one of {BACKENDS}, got {chosen!r}")
+    platform = jax.default_backend()
+    if chosen == "pallas" and _pallas_problem(args[1], args[2], args[4], platform) is None:
+        return _pallas(*args, platform)
+    if chosen not in ("auto", "pallas"):
+        return _run(chosen, args, tile_bytes)
+    return jax.lax.platform_dependent(cpu=lambda: _on_cpu(*args, tile_bytes), default=lambda: _dequantize(*args))
+
+
 def _on_cpu(x, values, scale, offset, transposed, tile_bytes):
     # platform_dependent traces every branch: a GPU / TPU host neither builds the kernel nor warns about it
     on_cpu_host = jax.default_backend() == "cpu"
@@ -124,16 +162,25 @@ def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, offset: 
                          f"transposed={transposed})")
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), k)
-    args = (x2, values, scale, offset, transposed)
+    y = _run(backend, (x2, values, scale, offset, transposed), tile_bytes)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _run(backend: str, args: tuple, tile_bytes: int) -> jax.Array:
     if backend == "kernel":
         if not cpu_kernel.available():
             raise RuntimeError("the compiled CPU kernel is not available (no C++ compiler, its build failed: see the "
                                "warning logged, or DCPJAX_CPU_KERNEL=0)")
-        y = _kernel(*args)
-    elif backend == "tiled":
-        y = _tiled(*args, tile_bytes)
-    elif backend == "dequantize":
-        y = _dequantize(*args)
-    else:
-        y = jax.lax.platform_dependent(cpu=lambda: _on_cpu(*args, tile_bytes), default=lambda: _dequantize(*args))
-    return y.reshape(*lead, y.shape[-1])
+        return _kernel(*args)
+    if backend == "tiled":
+        return _tiled(*args, tile_bytes)
+    if backend == "dequantize":
+        return _dequantize(*args)
+    if backend == "pallas":
+        platform = jax.default_backend()
+        problem = _pallas_problem(args[1], args[2], args[4], platform)
+        if problem:
+            raise ValueError(f"the Pallas quantized matmul cannot tile values {args[1].shape} with scale "
+                             f"{args[2].shape}: {problem}; use backend 'auto' or 'dequantize'")
+        return _pallas(*args, platform)
+    return _auto(args, tile_bytes)
