@@ -51,8 +51,8 @@ CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset
     (1, 576, 1536, 32, 1, False, "int8", np.float16, True),  # SmolLM2's Q4_1 gate at decode
     (3, 96, 37, 32, 1, False, "int8", np.float16, True),  # the streaming path's last rows; N past the vectors
     (5, 64, 200, 16, 1, False, "int8", np.float32, False),  # register tiles (4 rows, then 1); Q6_K-like groups
-    (9, 96, 61, 32, 1, False, "int8", np.float16, True),  # SmolLM2's Q4_1 at batch 9: tiles with minimums
-    (17, 256, 45, 128, 15, False, "fp8", np.float32, False),  # fp8 blocks across columns (gn > 1)
+    (9, 96, 61, 32, 1, False, "int8", np.float16, True),  # batch 9: buffered strips (>= 8 rows), minimums
+    (17, 256, 45, 128, 15, False, "fp8", np.float32, False),  # buffered strips; fp8 blocks across columns
     (1, 256, 384, 128, 128, False, "fp8", np.float32, False),
     (2, 160, 50, 32, 1, True, "fp8", np.float32, False),  # a tied embedding table [N, K]
     (1, 128, 333, 32, 1, True, "int8", np.float16, True),
@@ -173,14 +173,26 @@ def test_the_kernel_builds_where_a_compiler_is():
     assert cpu_kernel.available()
 
 
-def test_auto_backend_on_cpu_and_leading_axes():
-    """"auto": the kernel up to KERNEL_MAX_ROWS rows, the tiled XLA path past them; x keeps its leading axes."""
-    rng = np.random.default_rng(0)
-    for rows in (2, 100):
-        x, values, scale, offset = make(rng, rows, 64, 48, 32, 1, False, "int8", np.float16, True)
-        got = np.asarray(jax.jit(quantized_matmul)(x.reshape(2, rows // 2, 64), values, scale, offset))
-        assert got.shape == (2, rows // 2, 48)
-        np.testing.assert_allclose(got.reshape(rows, 48), oracle(x, values, scale, offset, False), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("rows, transposed, path", [(2, False, "_kernel"), (32, True, "_kernel"),
+                                                     (100, False, "_dequantize"), (100, True, "_tiled")])
+def test_auto_backend_on_cpu_and_leading_axes(rows, transposed, path, monkeypatch):
+    """"auto" on CPU: the kernel up to KERNEL_MAX_ROWS rows (decode); past them a Linear dequantized whole
+    (prefill: XLA's GEMM wins) and a table [N, K] a tile at a time; x keeps its leading axes."""
+    from dcpjax.quantization import matmul
+
+    if not cpu_kernel.available():
+        pytest.skip("no C++ compiler here: the compiled CPU kernel is not built")
+    ran = []
+    for name in ("_kernel", "_tiled"):  # platform_dependent traces the default (_dequantize) branch too
+        original = getattr(matmul, name)
+        monkeypatch.setattr(matmul, name, lambda *a, o=original, n=name: ran.append(n) or o(*a))
+    x, values, scale, offset = make(np.random.default_rng(0), rows, 64, 48, 32, 1, transposed, "int8", np.float16,
+                                    True)
+    fn = jax.jit(lambda *a: quantized_matmul(*a, transposed=transposed))
+    got = np.asarray(fn(x.reshape(2, rows // 2, 64), values, scale, offset))
+    assert got.shape == (2, rows // 2, 48) and ran == ([] if path == "_dequantize" else [path])
+    np.testing.assert_allclose(got.reshape(rows, 48), oracle(x, values, scale, offset, transposed), rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_a_weight_cut_over_tp_devices_through_its_blocks():

@@ -198,8 +198,8 @@ def quantized_source(source: TensorSource, quantization: str | None, is_gguf: bo
     holds what the checkpoint holds; on a CPU without the compiled quantized-matmul kernel
     (`quantization.cpu_kernel`) it dequantizes a GGUF file at load instead, since XLA's own path is
     slower than float there (with the kernel, held SmolLM2 decodes 1.3-1.6x faster than float at
-    batch 1 and even at batch 16: benchmarks/RESULTS.md); "gguf" holds it either way. The kernel is
-    built (`cpu_kernel.available()`) only where something could be held."""
+    batch 1, 0.8-1.1x at batch 16, in 0.28x the memory: benchmarks/RESULTS.md); "gguf" holds it either
+    way. The kernel is built (`cpu_kernel.available()`) only where something could be held."""
     quantization = quantization or "auto"
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {quantization!r}")

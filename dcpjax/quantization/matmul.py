@@ -9,12 +9,15 @@ per block of gk x gn elements (the groups follow from the shapes, as in `weight.
 
 Backends (`backend=`):
     "kernel": the compiled CPU kernel (`cpu_kernel`, an XLA custom call): each weight byte is read once and
-              converted in registers. The CPU default for up to `KERNEL_MAX_ROWS` rows.
+              converted in registers. The CPU default for up to `KERNEL_MAX_ROWS` rows (decode).
     "tiled":  XLA only: a loop over tiles of `tile_rows` rows along K, each tile dequantized (a tile's float
-              copy stays in cache, never the whole weight), multiplied and accumulated. The CPU path for
-              more rows (prefill, where the matmul's arithmetic, not the weight read, bounds the time) and
-              without a compiler.
+              copy stays in cache, never the whole weight), multiplied and accumulated. The CPU path for a
+              table [N, K] past `KERNEL_MAX_ROWS` rows (a vocabulary-sized float copy would be hundreds of
+              MB) and for every weight at up to that many rows without a compiler.
     "dequantize": the whole weight dequantized, then one dot (what XLA:GPU / TPU fuse; the oracle's order).
+              Also the CPU path for a Linear [K, N] past `KERNEL_MAX_ROWS` rows (prefill): there the
+              arithmetic bounds the time, and XLA's GEMM on one layer's transient float copy beats both the
+              kernel and the tiles (benchmarks/quantized_matmul.py --rows 32,64,256).
     "pallas": the Pallas kernel (`pallas_matmul`): Triton on GPU, Mosaic on TPU, interpreted on CPU; codes
               converted a K group at a time in registers / VMEM. Needs K groups of a power of two >= 16
               (GGUF's 32, fp8's 128) and N a multiple of 16 (GPU) or 128 (TPU).
@@ -36,7 +39,7 @@ from dcpjax.quantization import cpu_kernel, pallas_matmul
 
 BACKENDS = ("auto", "kernel", "tiled", "dequantize", "pallas")
 BACKEND_ENV = "DCPJAX_QUANTIZED_MATMUL"  # the backend "auto" stands for, when set
-KERNEL_MAX_ROWS = 64  # beyond this many rows of x, XLA's float GEMM outruns the kernel (compute-bound)
+KERNEL_MAX_ROWS = 32  # beyond this many rows of x, XLA's float GEMM outruns the kernel (compute-bound; measured)
 TILE_BYTES = 1 << 20  # "tiled": a tile's float32 copy fits a core's L2 (measured: benchmarks/quantized_matmul.py)
 
 
@@ -137,9 +140,13 @@ def _auto(args, tile_bytes):
 def _on_cpu(x, values, scale, offset, transposed, tile_bytes):
     # platform_dependent traces every branch: a GPU / TPU host neither builds the kernel nor warns about it
     on_cpu_host = jax.default_backend() == "cpu"
-    if x.shape[0] <= KERNEL_MAX_ROWS and on_cpu_host and cpu_kernel.available():
-        return _kernel(x, values, scale, offset, transposed)
-    return _tiled(x, values, scale, offset, transposed, tile_bytes)
+    if x.shape[0] <= KERNEL_MAX_ROWS:
+        if on_cpu_host and cpu_kernel.available():
+            return _kernel(x, values, scale, offset, transposed)
+        return _tiled(x, values, scale, offset, transposed, tile_bytes)
+    if transposed:  # a vocabulary-sized table: its float copy a tile at a time
+        return _tiled(x, values, scale, offset, transposed, tile_bytes)
+    return _dequantize(x, values, scale, offset, transposed)
 
 
 def quantized_matmul(x: jax.Array, values: jax.Array, scale: jax.Array, offset: jax.Array | None = None, *,
