@@ -13,7 +13,7 @@ import pytest
 
 from dcpjax.quantization import cpu_kernel
 from dcpjax.quantization.matmul import BACKEND_ENV, quantized_matmul, tile_rows
-from dcpjax.quantization.pallas_matmul import pallas_problem, quantized_matmul_pallas
+from dcpjax.quantization.pallas_matmul import gpu_fp8_problem, pallas_problem, quantized_matmul_pallas
 from dcpjax.quantization.weight import uniform_group
 
 BACKENDS = ["kernel", "tiled", "dequantize", "pallas"]
@@ -59,6 +59,8 @@ CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset
     (6, 96, 40, 32, 1, True, "int8", np.float16, False),
     (5, 64, 19, 32, 1, True, "int8", np.float16, True),  # a Q8_0-like table, 4 rows at a time, with minimums
     (4, 40, 24, 20, 8, True, "int8", np.float32, True),  # blocks that are not whole vectors
+    (1, 72, 40, 18, 1, False, "int8", np.float16, True),  # the stream's rows past its passes of four
+    (9, 512, 48, 512, 1, False, "int8", np.float32, False),  # a group past the L1 buffer: register tiles
 ]
 
 
@@ -86,19 +88,20 @@ def assert_close_to_oracle(got, x, values, scale, offset, transposed):
 
 
 PALLAS_CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset, GPU K splits
-    (1, 576, 1536, 32, 1, False, "int8", np.float16, True, 3),  # SmolLM2's gate; groups split unevenly
+    (1, 576, 1536, 32, 1, False, "int8", np.float16, True, 4),  # SmolLM2's gate; 18 groups as 5, 5, 5, 3
     (70, 512, 128, 64, 1, False, "int8", np.float32, True, 2),  # two blocks of 64 rows (GPU), 72 rows (TPU)
     (17, 256, 256, 128, 128, False, "fp8", np.float32, False, 2),
     (2, 160, 64, 32, 1, True, "fp8", np.float32, False, 5),  # a tied table: a split per group
     (3, 128, 48, 32, 1, True, "int8", np.float16, True, 1),
+    (2, 448, 64, 32, 1, False, "int8", np.float16, True, 5),  # 14 groups: 3 a split, so 5 splits, none empty
 ]
 
 
 @pytest.mark.parametrize("target", ["gpu", "tpu"])
 @pytest.mark.parametrize("case", PALLAS_CASES, ids=lambda c: "-".join(getattr(v, "__name__", str(v)) for v in c))
 def test_pallas_programs_equal_float64(case, target):
-    """Both Pallas programs, interpreted: the GPU one with its K splits, the TPU one with its chunks (1 MiB
-    of codes each: several on the gate's 576 x 1536)."""
+    """Both Pallas programs, interpreted: the GPU one with its K splits (uneven ones too), the TPU one in
+    one chunk of K (several: the test below)."""
     m, k, n, gk, gn, transposed, fmt, scale_dtype, with_offset, splits = case
     x, values, scale, offset = make(np.random.default_rng(k + n), m, k, n, gk, gn, transposed, fmt, scale_dtype,
                                     with_offset)
@@ -106,6 +109,16 @@ def test_pallas_programs_equal_float64(case, target):
                                   group_n=gn, target=target, interpret=True,
                                   num_splits=splits if target == "gpu" else None)
     assert_close_to_oracle(got, x, values, scale, offset, transposed)
+
+
+def test_the_tpu_program_over_several_chunks_and_row_blocks():
+    """300 rows (two blocks of 256) and K = 1024 in chunks of 256 (4 KiB of codes a step here): the output
+    block accumulates over the sequential chunk axis."""
+    x, values, scale, offset = make(np.random.default_rng(9), 300, 1024, 16, 32, 1, False, "int8", np.float16,
+                                    True)
+    got = quantized_matmul_pallas(jnp.asarray(x), values, scale, offset, transposed=False, group_k=32, group_n=1,
+                                  target="tpu", interpret=True, tpu_chunk_bytes=256 * 16)
+    assert_close_to_oracle(got, x, values, scale, offset, False)
 
 
 def test_pallas_in_bfloat16_rounds_x_only():
@@ -239,3 +252,6 @@ def test_bad_input_says_what_is_wrong():
     assert "power of two >= 16" in pallas_problem(96, 64, 24, "gpu")
     assert "no column block" in pallas_problem(64, 40, 32, "gpu")
     assert "no column block" in pallas_problem(64, 1000, 32, "tpu")
+    assert "within VMEM" in pallas_problem(11008, 512, 128, "tpu")  # fp8 groups, K not a multiple of 1024
+    assert "compute capability >= 8.9" in gpu_fp8_problem("8.0")  # an A100: Triton cannot convert fp8
+    assert gpu_fp8_problem("9.0") is None and gpu_fp8_problem(None) is None

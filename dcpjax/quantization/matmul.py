@@ -108,6 +108,10 @@ def _dequantize(x, values, scale, offset, transposed):
 def _pallas_problem(values, scale, transposed, platform: str) -> str | None:
     axis = 1 if transposed else 0  # K's axis in values
     gk = groups_of(values.shape, scale.shape)[axis]
+    if platform == "gpu" and values.dtype == jnp.float8_e4m3fn:
+        problem = pallas_matmul.gpu_fp8_problem(getattr(jax.devices()[0], "compute_capability", None))
+        if problem:
+            return problem
     return pallas_matmul.pallas_problem(values.shape[axis], values.shape[1 - axis], gk, _pallas_target(platform))
 
 

@@ -33,6 +33,7 @@ TARGETS = ("gpu", "tpu")
 GPU_BLOCK_ROWS = 64  # rows of x per program: a decode batch in one (Triton's dot needs >= 16)
 TPU_BLOCK_ROWS = 256  # rows of x per TPU grid step
 TPU_CHUNK_BYTES = 1 << 20  # a chunk of codes per grid step: 1 MiB, double-buffered in VMEM
+TPU_MAX_CHUNK_BYTES = 4 << 20  # where K has no smaller chunk, the most codes a step may hold
 
 
 def column_block(n: int, target: str) -> int | None:
@@ -54,6 +55,16 @@ def pallas_problem(k: int, n: int, group_k: int, target: str) -> str | None:
     if column_block(n, target) is None:
         need = "a multiple of 16" if target == "gpu" else "a multiple of 128, or of 8 up to 512"
         return f"N = {n} has no column block ({need})"
+    if target == "tpu" and _tpu_chunk(k, column_block(n, target), group_k) * column_block(n, target) > \
+            TPU_MAX_CHUNK_BYTES:
+        return f"K = {k} has no chunk of whole groups (a multiple of 128 and of 8 groups) within VMEM"
+    return None
+
+
+def gpu_fp8_problem(compute_capability: str | None) -> str | None:
+    """fp8 codes on a GPU: Triton converts float8_e4m3fn from compute capability 8.9 (Ada, Hopper) on."""
+    if compute_capability and tuple(int(p) for p in compute_capability.split(".")[:2]) < (8, 9):
+        return f"fp8 codes need compute capability >= 8.9 in Triton, this GPU has {compute_capability}"
     return None
 
 
@@ -114,11 +125,11 @@ def _padded_rows(m: int, target: str) -> int:
     return max(16, pl.next_power_of_2(m)) if m <= GPU_BLOCK_ROWS else -(-m // GPU_BLOCK_ROWS) * GPU_BLOCK_ROWS
 
 
-def _tpu_chunk(k: int, columns: int, group_k: int) -> int:
+def _tpu_chunk(k: int, columns: int, group_k: int, chunk_bytes: int = TPU_CHUNK_BYTES) -> int:
     """K per TPU grid step: a multiple of 128 lanes (x's block) and of 8 groups (the scales' sublanes)
-    dividing K, its codes within TPU_CHUNK_BYTES; all of K when no such chunk exists."""
+    dividing K, its codes within `chunk_bytes`; all of K when no such chunk exists."""
     step = math.lcm(128, 8 * group_k)
-    fits = [size for size in range(step, k, step) if k % size == 0 and size * columns <= TPU_CHUNK_BYTES]
+    fits = [size for size in range(step, k, step) if k % size == 0 and size * columns <= chunk_bytes]
     return fits[-1] if fits else k
 
 
@@ -130,10 +141,10 @@ def default_num_splits(row_blocks: int, column_blocks: int, groups: int, interpr
 
 
 @functools.partial(jax.jit, static_argnames=("transposed", "group_k", "group_n", "target", "interpret",
-                                             "num_splits"))
+                                             "num_splits", "tpu_chunk_bytes"))
 def quantized_matmul_pallas(x: jax.Array, values: jax.Array, scale: jax.Array, offset: jax.Array | None, *,
                             transposed: bool, group_k: int, group_n: int, target: str, interpret: bool,
-                            num_splits: int | None = None) -> jax.Array:
+                            num_splits: int | None = None, tpu_chunk_bytes: int = TPU_CHUNK_BYTES) -> jax.Array:
     """x [M, K] @ dequantize(values, scale, offset) -> [M, N] float32 (shapes checked by the caller and
     `pallas_problem`): values [K, N] (or [N, K] when transposed) int8 / float8_e4m3fn; scale, offset
     [K / gk, N / gn] (or [N / gn, K / gk])."""
@@ -148,8 +159,8 @@ def quantized_matmul_pallas(x: jax.Array, values: jax.Array, scale: jax.Array, o
     codes_block = (lambda kk: (c, kk)) if transposed else (lambda kk: (kk, c))
     if target == "gpu":
         block_rows = min(rows, GPU_BLOCK_ROWS)
-        splits = num_splits or default_num_splits(rows // block_rows, n // c, groups, interpret)
-        per_split = -(-groups // splits)
+        per_split = -(-groups // (num_splits or default_num_splits(rows // block_rows, n // c, groups, interpret)))
+        splits = -(-groups // per_split)  # no program without a group
         codes_at = (lambda i, j, s: (j, 0)) if transposed else (lambda i, j, s: (0, j))
         partial = pl.pallas_call(
             functools.partial(_gpu_kernel, group_k=group_k, groups_per_split=per_split, transposed=transposed,
@@ -165,7 +176,7 @@ def quantized_matmul_pallas(x: jax.Array, values: jax.Array, scale: jax.Array, o
             name="dcpjax_quantized_matmul_gpu",
         )(x, values, *per_column)
         return partial.sum(axis=0)[:m]
-    chunk, block_rows = _tpu_chunk(k, c, group_k), min(rows, TPU_BLOCK_ROWS)
+    chunk, block_rows = _tpu_chunk(k, c, group_k, tpu_chunk_bytes), min(rows, TPU_BLOCK_ROWS)
     codes_at = (lambda i, j, kk: (j, kk)) if transposed else (lambda i, j, kk: (kk, j))
     out = pl.pallas_call(
         functools.partial(_tpu_kernel, group_k=group_k, transposed=transposed, has_offset=has_offset),

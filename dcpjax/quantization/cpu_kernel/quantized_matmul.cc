@@ -284,7 +284,7 @@ void kn_stream(const Problem& p, int64_t b0, int64_t b1, float* partial, float* 
     const int64_t k_end = (b + 1) * p.gk;
     int64_t kk = b * p.gk;
     // four rows of codes per pass over the accumulators: a quarter of the L1 loads and stores, which
-    // otherwise bound this loop (measured: 1.8x on SmolLM2's [576, 1536] at batch 1, cache-resident)
+    // otherwise bound this loop (measured: 1.7-2x on SmolLM2's weights at batch 1, cache-resident)
     for (; kk + 4 <= k_end; kk += 4) {
       const V* r0 = values + kk * p.n;
       const V *r1 = r0 + p.n, *r2 = r1 + p.n, *r3 = r2 + p.n;
