@@ -20,7 +20,7 @@ Backends (`backend=`):
               kernel and the tiles (benchmarks/quantized_matmul.py --rows 32,64,256).
     "pallas": the Pallas kernel (`pallas_matmul`): Triton on GPU, Mosaic on TPU, interpreted on CPU; codes
               converted a K group at a time in registers / VMEM. Needs K groups of a power of two >= 16
-              (GGUF's 32, fp8's 128) and N a multiple of 16 (GPU) or 128 (TPU).
+              (GGUF's 32, fp8's 128) and N a column block (`pallas_matmul.pallas_problem` says why not).
 "auto": $DCPJAX_QUANTIZED_MATMUL when set (one of the backends: how an engine picks "pallas"); else "kernel"
 or "tiled" on CPU and "dequantize" elsewhere, since XLA:GPU / TPU fuse the convert into the dot's operand
 and the Pallas kernel has not yet been timed against that on a GPU or TPU (`benchmarks/gpu_check.py` does).
@@ -105,14 +105,20 @@ def _dequantize(x, values, scale, offset, transposed):
     return jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
-def _pallas_problem(values, scale, transposed, platform: str) -> str | None:
+def _k_n_groups(values, scale, transposed) -> tuple[int, int, int, int]:
+    """K, N and the elements per scale along each (gk, gn), in either layout."""
     axis = 1 if transposed else 0  # K's axis in values
-    gk = groups_of(values.shape, scale.shape)[axis]
+    groups = groups_of(values.shape, scale.shape)
+    return values.shape[axis], values.shape[1 - axis], int(groups[axis]), int(groups[1 - axis])
+
+
+def _pallas_problem(values, scale, transposed, platform: str) -> str | None:
+    k, n, gk, _ = _k_n_groups(values, scale, transposed)
     if platform == "gpu" and values.dtype == jnp.float8_e4m3fn:
         problem = pallas_matmul.gpu_fp8_problem(getattr(jax.devices()[0], "compute_capability", None))
         if problem:
             return problem
-    return pallas_matmul.pallas_problem(values.shape[axis], values.shape[1 - axis], gk, _pallas_target(platform))
+    return pallas_matmul.pallas_problem(k, n, gk, _pallas_target(platform))
 
 
 def _pallas_target(platform: str) -> str:
@@ -120,10 +126,9 @@ def _pallas_target(platform: str) -> str:
 
 
 def _pallas(x, values, scale, offset, transposed, platform: str):
-    axis = 1 if transposed else 0
-    gk, gn = groups_of(values.shape, scale.shape)[axis], groups_of(values.shape, scale.shape)[1 - axis]
-    return pallas_matmul.quantized_matmul_pallas(x, values, scale, offset, transposed=transposed, group_k=int(gk),
-                                                 group_n=int(gn), target=_pallas_target(platform),
+    _, _, gk, gn = _k_n_groups(values, scale, transposed)
+    return pallas_matmul.quantized_matmul_pallas(x, values, scale, offset, transposed=transposed, group_k=gk,
+                                                 group_n=gn, target=_pallas_target(platform),
                                                  interpret=platform == "cpu")
 
 

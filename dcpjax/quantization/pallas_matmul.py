@@ -52,11 +52,11 @@ def pallas_problem(k: int, n: int, group_k: int, target: str) -> str | None:
         return f"target must be one of {TARGETS}, got {target!r}"
     if group_k < 16 or group_k & (group_k - 1):
         return f"its K groups must be a power of two >= 16 (a tensor-core dot's depth), got {group_k}"
-    if column_block(n, target) is None:
+    columns = column_block(n, target)
+    if columns is None:
         need = "a multiple of 16" if target == "gpu" else "a multiple of 128, or of 8 up to 512"
         return f"N = {n} has no column block ({need})"
-    if target == "tpu" and _tpu_chunk(k, column_block(n, target), group_k) * column_block(n, target) > \
-            TPU_MAX_CHUNK_BYTES:
+    if target == "tpu" and _tpu_chunk(k, columns, group_k) * columns > TPU_MAX_CHUNK_BYTES:
         return f"K = {k} has no chunk of whole groups (a multiple of 128 and of 8 groups) within VMEM"
     return None
 
