@@ -17,10 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import layout_worker  # (the run in a process of its own, shared with the tests)
+
 EXPECTED = json.loads((ROOT / "tests" / "fixtures" / "smollm2" / "expected.json").read_text())
 # every layout of 9 query / 3 KV heads with DCP > 1 is TP 9 / DCP 3; TP 9 / DCP 1 pads the MLP (1536 % 9 != 0)
 DCP_LAYOUTS = [
@@ -52,14 +54,7 @@ def job(layouts: list[dict], kv_bytes: int) -> dict:
 
 def run_layouts(job: dict) -> list[dict]:
     """Each layout's run (tests/layout_worker.py in a fresh process: 9 fake CPU devices)."""
-    import os
-
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "layout_worker.py")], input=json.dumps(job),
-                          env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode:
-        raise RuntimeError(f"layout_worker.py failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout)["layouts"]
+    return layout_worker.run(job)
 
 
 def rows(runs: list[dict]) -> list[dict]:

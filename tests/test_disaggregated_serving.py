@@ -282,10 +282,10 @@ def moved_tokens(n: int, prefill: list[str], connector: str) -> int:
     return (1 << max(0, blocks - 1).bit_length()) * 16 * dcp
 
 
-# slow (a server pair and a router each): on one Python each, the newest jax (e2e) or the oldest, each
-# connector on both
+# slow (a server pair and a router each, 2-3 minutes for SmolLM2): on one Python each, the newest jax (e2e) or
+# the oldest, each connector on both; SmolLM2's TP 3 -> TP 9 / DCP 3 on the device transport only (its socket
+# twin proved nothing the I16 pair and this one do not, for 2.5 minutes of CI)
 ROUTER_CASES = [
-    pytest.param("smollm2 TP 3 -> TP 9 / DCP 3", "SocketConnector", marks=pytest.mark.e2e),
     pytest.param("smollm2 TP 9 / DCP 3 I16 -> TP 9", "SocketConnector", marks=pytest.mark.e2e),
     pytest.param("deepseek-v3 TP 2 -> TP 8 / DCP 8", "SocketConnector", marks=pytest.mark.e2e),
     pytest.param("qwen3-next TP 2 -> TP 8 / DCP 2 I4", "SocketConnector", marks=pytest.mark.oldest_jax),

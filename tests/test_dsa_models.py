@@ -119,6 +119,7 @@ def test_a_config_the_indexer_cannot_run_is_refused(change, message):
         ModelConfig.from_hf(config)
 
 
+@pytest.mark.e2e  # newest jax only (fp8 KV: tests/test_llm.py on both)
 def test_fp8_kv_cache_holds_the_indexer_keys_quantized():
     """An fp8 KV cache quantizes the indexer keys too, each token with its own float32 scale: the first
     layer's keys (which depend on the embeddings alone) as the kernels read them equal a float cache's

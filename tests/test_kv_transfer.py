@@ -75,15 +75,15 @@ PAIRS = [
     (dict(tensor_parallel_size=4, decode_context_parallel_size=2, kv_cache_dtype="fp8"),
      dict(tensor_parallel_size=8, decode_context_parallel_size=4, block_size=32, kv_cache_dtype="fp8")),
 ]
-# every pair through both connectors, split between CI's Pythons: each runs one connector per pair on
-# both, the other on one Python only (the connectors' own tests run on both)
+# every pair through both connectors, each case on one of CI's Pythons: every pair and every connector
+# runs on both (the connectors' own tests run on both too)
 PAIR_PARAMS = [
-    pytest.param(*PAIRS[0], "SocketConnector"),
+    pytest.param(*PAIRS[0], "SocketConnector", marks=pytest.mark.e2e),
     pytest.param(*PAIRS[0], "JaxTransferConnector", marks=pytest.mark.oldest_jax),
     pytest.param(*PAIRS[1], "SocketConnector", marks=pytest.mark.e2e),
-    pytest.param(*PAIRS[1], "JaxTransferConnector"),
-    pytest.param(*PAIRS[2], "SocketConnector"),
-    pytest.param(*PAIRS[2], "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+    pytest.param(*PAIRS[1], "JaxTransferConnector", marks=pytest.mark.oldest_jax),
+    pytest.param(*PAIRS[2], "SocketConnector", marks=pytest.mark.oldest_jax),
+    pytest.param(*PAIRS[2], "JaxTransferConnector", marks=pytest.mark.e2e),
 ]
 
 
@@ -127,11 +127,14 @@ def analytic_bytes(llm, num_tokens: int) -> int:
     # sliding windows of 8 (`models.kv_groups`): each side frees the blocks behind them, by its own virtual
     # block (16 and 32 positions): the producer sends the null block where its windows moved on, the consumer
     # drops what lands behind its own
-    ("gemma3-tiny", dict(tensor_parallel_size=2),
-     dict(tensor_parallel_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4)),
+    # (newest jax only; the sparse model below on the oldest: half a minute each)
+    pytest.param("gemma3-tiny", dict(tensor_parallel_size=2),
+                 dict(tensor_parallel_size=4, decode_context_parallel_size=2, cp_kv_cache_interleave_size=4),
+                 marks=pytest.mark.e2e),
     # sparse attention: the indexer keys travel beside the latent (`KVPools.index_k`) and select the same top-k
-    ("deepseek-v32", dict(tensor_parallel_size=2),
-     dict(tensor_parallel_size=8, decode_context_parallel_size=4, cp_kv_cache_interleave_size=2)),
+    pytest.param("deepseek-v32", dict(tensor_parallel_size=2),
+                 dict(tensor_parallel_size=8, decode_context_parallel_size=4, cp_kv_cache_interleave_size=2),
+                 marks=pytest.mark.oldest_jax),
 ])
 def test_mla_and_hybrid_models(model, producer, consumer):
     p, d, alone = _engines(str(FIXTURES / model), producer, consumer)
@@ -287,6 +290,7 @@ def test_loaded_pages_equal_the_consumers_own_prefill(sent, kept):
 
 
 # -- bounded memory on both sides -------------------------------------------------------------------
+@pytest.mark.oldest_jax  # half a minute: oldest jax only (the bound is the scheduler's, not jax's)
 def test_sixteen_prompts_against_a_buffer_of_three_stay_within_it():
     """16 prompts at once to a producer whose kv_buffer_size holds 3 of them, their decodes on a
     consumer whose pool is nearly full: at no step does the producer hold (or reserve) more than the

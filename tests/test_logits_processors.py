@@ -168,6 +168,7 @@ def test_requests_the_engine_cannot_honour_name_the_field(llm):
 
 
 # -- SmolLM2 against transformers' logits processors ---------------------------------------------------
+@pytest.mark.e2e  # the real model: newest jax only (the processors' own tests run on both)
 def test_smollm2_processors_match_transformers():
     try:
         builtin_gguf_path("smollm2-135m-instruct")

@@ -61,6 +61,7 @@ def test_a_deployment_file_sets_the_defaults_and_flags_win(tmp_path, capsys):
     assert b200["memory_gb"] == planner.DEVICES["b200"].memory_gb
 
 
+@pytest.mark.oldest_jax  # 20 s: oldest jax only (the other shipped files' plans run on both)
 def test_the_shipped_deepseek_file_plans_fp8_weights_at_its_tp(capsys):
     """The issue's case: its float8_e4m3fn weights leave room for KV at TP 8; bfloat16 ones do not."""
     result = _plan(capsys, "--model", "configs/deepseek-v3-tp8-dcp8.json", "--input-len", "1024")
@@ -68,6 +69,7 @@ def test_the_shipped_deepseek_file_plans_fp8_weights_at_its_tp(capsys):
     assert all(r["valid"] for r in result["sizes"])
 
 
+@pytest.mark.e2e  # half a minute: newest jax only (the planner's sparse arithmetic: tests/test_planner.py on both)
 def test_sparse_attention_at_128k_reads_the_top_k_not_the_context(capsys):
     """DeepSeek-V3.2 at 128k: its cache holds an indexer key per token beside the latent, a step reads
     every key but only 2,048 latents per layer (a quarter of dense MLA's read), and DCP adds one all_gather

@@ -59,6 +59,8 @@ CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset
     (6, 96, 40, 32, 1, True, "int8", np.float16, False),
     (5, 64, 19, 32, 1, True, "int8", np.float16, True),  # a Q8_0-like table, 4 rows at a time, with minimums
     (4, 40, 24, 20, 8, True, "int8", np.float32, True),  # blocks that are not whole vectors
+    (13, 96, 50, 32, 1, True, "int8", np.float16, True),  # a batch through a table: 3 rows dequantized at a time
+    (16, 256, 35, 128, 5, True, "fp8", np.float32, False),  # ... and the last 2 alone; fp8 blocks across rows
     (1, 72, 40, 18, 1, False, "int8", np.float16, True),  # the stream's rows past its passes of four
     (9, 512, 48, 512, 1, False, "int8", np.float32, False),  # a group past the L1 buffer: register tiles
 ]
@@ -187,10 +189,10 @@ def test_the_kernel_builds_where_a_compiler_is():
 
 
 @pytest.mark.parametrize("rows, transposed, path", [(2, False, "_kernel"), (32, True, "_kernel"),
-                                                     (100, False, "_dequantize"), (100, True, "_tiled")])
+                                                     (100, False, "_dequantize"), (100, True, "_kernel")])
 def test_auto_backend_on_cpu_and_leading_axes(rows, transposed, path, monkeypatch):
     """"auto" on CPU: the kernel up to KERNEL_MAX_ROWS rows (decode); past them a Linear dequantized whole
-    (prefill: XLA's GEMM wins) and a table [N, K] a tile at a time; x keeps its leading axes."""
+    (prefill: XLA's GEMM wins) and a table [N, K] still through the kernel; x keeps its leading axes."""
     from dcpjax.quantization import matmul
 
     if not cpu_kernel.available():

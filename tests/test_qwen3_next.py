@@ -34,6 +34,7 @@ def prompts():
     return [{"prompt_token_ids": case["prompt"]} for case in CASES]
 
 
+@pytest.mark.e2e  # half a minute: newest jax only (preemption's recompute is the engine's, not jax's)
 def test_preemption_recomputes_the_state_exactly():
     """A cache of 48 blocks of 4 x DCP 2 tokens holds the 300-token prompt and little else: the others
     wait or are preempted and recomputed from their start, and every output is transformers'."""
@@ -140,6 +141,7 @@ def test_sampled_and_n_sequences_each_keep_their_own_state():
     assert np.all([len(t) == 12 for t in together])
 
 
+@pytest.mark.oldest_jax  # 20 s: oldest jax only (tests/test_precompile.py runs on both)
 def test_a_precompiled_hybrid_compiles_nothing_while_generating():
     """The start-up precompile covers the hybrid's calls too (packed prefill in whole chunks)."""
     llm = make(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32, enforce_eager=False)

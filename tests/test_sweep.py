@@ -11,6 +11,7 @@ import pytest
 from dcpjax.bench.__main__ import parse_args
 
 
+@pytest.mark.e2e  # half a minute of stages: newest jax only
 def test_sweep_runs_stages_writes_files_and_stops_at_a_failing_stage(tmp_path):
     out = tmp_path / "sweep"
     command = [sys.executable, "-m", "dcpjax.bench", "sweep", "--num-cpu-devices", "8", "-tp", "8", "-dcp", "2",

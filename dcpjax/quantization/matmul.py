@@ -9,11 +9,12 @@ per block of gk x gn elements (the groups follow from the shapes, as in `weight.
 
 Backends (`backend=`):
     "kernel": the compiled CPU kernel (`cpu_kernel`, an XLA custom call): each weight byte is read once and
-              converted in registers. The CPU default for up to `KERNEL_MAX_ROWS` rows (decode).
+              converted in registers. The CPU default for up to `KERNEL_MAX_ROWS` rows (decode), and for a
+              table [N, K] at any number of rows (prompt logprobs: table rows dequantized a few at a time into
+              a cache-sized buffer; a vocabulary-sized float copy would be hundreds of MB).
     "tiled":  XLA only: a loop over tiles of `tile_rows` rows along K, each tile dequantized (a tile's float
-              copy stays in cache, never the whole weight), multiplied and accumulated. The CPU path for a
-              table [N, K] past `KERNEL_MAX_ROWS` rows (a vocabulary-sized float copy would be hundreds of
-              MB) and for every weight at up to that many rows without a compiler.
+              copy stays in cache, never the whole weight), multiplied and accumulated. The CPU path where the
+              kernel does not build.
     "dequantize": the whole weight dequantized, then one dot (what XLA:GPU / TPU fuse; the oracle's order).
               Also the CPU path for a Linear [K, N] past `KERNEL_MAX_ROWS` rows (prefill): there the
               arithmetic bounds the time, and XLA's GEMM on one layer's transient float copy beats both the
@@ -149,11 +150,9 @@ def _auto(args, tile_bytes):
 def _on_cpu(x, values, scale, offset, transposed, tile_bytes):
     # platform_dependent traces every branch: a GPU / TPU host neither builds the kernel nor warns about it
     on_cpu_host = jax.default_backend() == "cpu"
-    if x.shape[0] <= KERNEL_MAX_ROWS:
+    if x.shape[0] <= KERNEL_MAX_ROWS or transposed:  # a table: never its vocabulary-sized float copy
         if on_cpu_host and cpu_kernel.available():
             return _kernel(x, values, scale, offset, transposed)
-        return _tiled(x, values, scale, offset, transposed, tile_bytes)
-    if transposed:  # a vocabulary-sized table: its float copy a tile at a time
         return _tiled(x, values, scale, offset, transposed, tile_bytes)
     return _dequantize(x, values, scale, offset, transposed)
 

@@ -14,7 +14,9 @@
 //
 // Paths (KN): up to 3 rows of x stream the weight front to back, four rows of codes per pass (kn_stream);
 // 8 rows or more convert each block of codes once into an L1 buffer and run float products from it
-// (kn_strip_buffered); 4-7 rows keep register tiles (kn_tile). NK: 4 table rows at a time (nk_row).
+// (kn_strip_buffered); 4-7 rows keep register tiles (kn_tile). NK: each table row converted into 4 rows of x at a
+// time (nk_row); from 8 rows of x, 3 table rows dequantized into a buffer and dotted with every row
+// (nk_rows_buffered).
 //
 // Threads: the output columns (KN) or rows (NK) are cut into chunks that the calling thread and
 // tasks on XLA's intra-op pool take from one atomic counter; the caller waits only for chunks
@@ -383,9 +385,70 @@ void nk_scalar(const Problem& p, int64_t n0, int64_t n1) {
     }
 }
 
+// NK for many rows (a batch through a tied LM head, prompt logprobs): table rows are dequantized into a float
+// buffer once per call (nk_row converts each code once per 4 rows of x), then dotted with the rows of x.
+// Blocked for the caches: a group of table rows (about 128 KiB of floats, L2) against blocks of x's rows
+// (about 32 KiB, L1), 4 rows x 3 table rows of sums in registers (7 loads per 12 multiply-adds). Scaled
+// before the sum here: x @ (v * s + o), as dequantize computes it.
+template <typename V, typename S>
+void nk_dequantize_rows(const Problem& p, int64_t n, int64_t count, float* buffer) {
+  const int64_t blocks = p.k / p.gk;
+  for (int64_t j = 0; j < count; ++j) {
+    const V* row = static_cast<const V*>(p.values) + (n + j) * p.k;
+    const S* scales = static_cast<const S*>(p.scale) + ((n + j) / p.gn) * blocks;
+    const S* offsets = p.offset ? static_cast<const S*>(p.offset) + ((n + j) / p.gn) * blocks : nullptr;
+    float* out = buffer + j * p.k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const f32v scale = f32v{} + scalar_at(scales + b), offset = f32v{} + (offsets ? scalar_at(offsets + b) : 0.0f);
+      for (int64_t kk = b * p.gk; kk < (b + 1) * p.gk; kk += kLanes) storef(out + kk, load8(row + kk) * scale + offset);
+    }
+  }
+}
+
+// y[m0:m1, n:n + NB] from NB dequantized table rows (`rows` [NB, K]).
+template <int NB>
+void nk_dot_tile(const Problem& p, int64_t m0, int64_t m1, int64_t n, const float* rows) {
+  auto dots = [&](int64_t m, auto count) {
+    constexpr int MB = decltype(count)::value;
+    f32v acc[MB][NB] = {};
+    for (int64_t kk = 0; kk < p.k; kk += kLanes) {
+      f32v w[NB];
+      for (int j = 0; j < NB; ++j) w[j] = loadf(rows + j * p.k + kk);
+      for (int r = 0; r < MB; ++r) {
+        const f32v xv = loadf(p.x + (m + r) * p.k + kk);
+        for (int j = 0; j < NB; ++j) acc[r][j] += xv * w[j];
+      }
+    }
+    for (int r = 0; r < MB; ++r)
+      for (int j = 0; j < NB; ++j) p.y[(m + r) * p.n + n + j] = hsum(acc[r][j]);
+  };
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) dots(m, std::integral_constant<int, 4>());
+  for (; m < m1; ++m) dots(m, std::integral_constant<int, 1>());
+}
+
+template <typename V, typename S>
+void nk_rows_buffered(const Problem& p, int64_t n0, int64_t n1) {
+  const int64_t row_bytes = p.k * static_cast<int64_t>(sizeof(float));
+  const int64_t table_rows = std::max<int64_t>(3, (128 << 10) / row_bytes / 3 * 3);
+  const int64_t x_rows = std::max<int64_t>(4, (32 << 10) / row_bytes / 4 * 4);
+  std::vector<float> buffer(table_rows * p.k);
+  for (int64_t n = n0; n < n1; n += table_rows) {
+    const int64_t count = std::min(table_rows, n1 - n);
+    nk_dequantize_rows<V, S>(p, n, count, buffer.data());
+    for (int64_t m = 0; m < p.m; m += x_rows) {
+      const int64_t m_end = std::min(p.m, m + x_rows);
+      int64_t j = 0;
+      for (; j + 3 <= count; j += 3) nk_dot_tile<3>(p, m, m_end, n + j, buffer.data() + j * p.k);
+      for (; j < count; ++j) nk_dot_tile<1>(p, m, m_end, n + j, buffer.data() + j * p.k);
+    }
+  }
+}
+
 template <typename V, typename S>
 void nk_rows(const Problem& p, int64_t n0, int64_t n1) {
   if (p.gk % kLanes) return nk_scalar<V, S>(p, n0, n1);
+  if (p.m >= kBufferedMinRows) return nk_rows_buffered<V, S>(p, n0, n1);
   for (int64_t n = n0; n < n1; ++n) {  // row n stays in L1 while every block of x's rows reads it
     int64_t m = 0;
     for (; m + 4 <= p.m; m += 4) nk_row<V, S, 4>(p, m, n);
