@@ -69,7 +69,7 @@ def test_the_shipped_deepseek_file_plans_fp8_weights_at_its_tp(capsys):
     assert all(r["valid"] for r in result["sizes"])
 
 
-@pytest.mark.e2e  # half a minute: newest jax only (the planner's sparse arithmetic: tests/test_planner.py on both)
+@pytest.mark.e2e  # half a minute: newest jax only (the planner's arithmetic is numpy, not jax)
 def test_sparse_attention_at_128k_reads_the_top_k_not_the_context(capsys):
     """DeepSeek-V3.2 at 128k: its cache holds an indexer key per token beside the latent, a step reads
     every key but only 2,048 latents per layer (a quarter of dense MLA's read), and DCP adds one all_gather

@@ -59,8 +59,9 @@ CASES = [  # m, k, n, gk, gn, transposed, values, scale dtype, offset
     (6, 96, 40, 32, 1, True, "int8", np.float16, False),
     (5, 64, 19, 32, 1, True, "int8", np.float16, True),  # a Q8_0-like table, 4 rows at a time, with minimums
     (4, 40, 24, 20, 8, True, "int8", np.float32, True),  # blocks that are not whole vectors
-    (13, 96, 50, 32, 1, True, "int8", np.float16, True),  # a batch through a table: 3 rows dequantized at a time
-    (16, 256, 35, 128, 5, True, "fp8", np.float32, False),  # ... and the last 2 alone; fp8 blocks across rows
+    (13, 96, 50, 32, 1, True, "int8", np.float16, True),  # a batch through a table: rows dequantized, 3 dotted
+    (16, 256, 35, 128, 5, True, "fp8", np.float32, False),  # ... at a time, the last 2 alone; fp8 blocks across rows
+    (40, 1024, 70, 32, 1, True, "int8", np.float16, True),  # 3 groups of 30 table rows x 5 blocks of 8 rows of x
     (1, 72, 40, 18, 1, False, "int8", np.float16, True),  # the stream's rows past its passes of four
     (9, 512, 48, 512, 1, False, "int8", np.float32, False),  # a group past the L1 buffer: register tiles
 ]

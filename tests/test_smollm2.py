@@ -168,10 +168,10 @@ def test_held_quantized_matches_transformers(llm):
     assert bool(llm.model_weights.held) == cpu_kernel.available()
 
 
-# -- 9 fake devices, in a process of its own: every DCP layout ----------------------------------------
+# -- 9 fake devices, in a process of its own: TP 9 at DCP 1 and 3 ----------------------------------------
 @pytest.fixture(scope="module")
 def dcp_runs(gguf_path):
-    # greedy tokens, the prompt logprobs (held to 1e-4) and the needle, at every DCP layout
+    # greedy tokens, the prompt logprobs (held to 1e-4) and the needle, at both DCP 3 layouts (DCP 1: its capacity)
     return smollm2_layouts.run_layouts(smollm2_layouts.job(DCP_LAYOUTS, KV_BYTES) | {"capacity_only": [0]})
 
 

@@ -15,7 +15,7 @@
 // Paths (KN): up to 3 rows of x stream the weight front to back, four rows of codes per pass (kn_stream);
 // 8 rows or more convert each block of codes once into an L1 buffer and run float products from it
 // (kn_strip_buffered); 4-7 rows keep register tiles (kn_tile). NK: each table row converted into 4 rows of x at a
-// time (nk_row); from 8 rows of x, 3 table rows dequantized into a buffer and dotted with every row
+// time (nk_row); from 8 rows of x, table rows dequantized into a buffer, 3 at a time dotted with every row
 // (nk_rows_buffered).
 //
 // Threads: the output columns (KN) or rows (NK) are cut into chunks that the calling thread and
