@@ -41,7 +41,7 @@ attention-demo: $(BASE)
 
 # PYTEST_ARGS: more pytest arguments (.ci/run leaves out the e2e cases on its older Python)
 test: $(TEST)
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=40 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
 # the quickstart notebook in JupyterLab, in the demo's environment (JupyterLab is installed here, not by
 # the notebook extra: Colab has its own Jupyter)

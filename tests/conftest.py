@@ -24,7 +24,25 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 
+import collections
+
 import pytest
+
+# The files that take minutes on CI's 2 cores (each goes whole to one worker under --dist loadfile), slowest
+# first: scheduled before the rest, so that no such file is left running alone at the end. `make test` turns
+# off xdist's own order (--no-loadscope-reorder: most tests first), which put one-test files of several
+# minutes (the 16k prompt, the notebook) last.
+SLOWEST_FILES = ("test_hf_parity.py", "test_kv_transfer.py", "test_disaggregated_serving.py", "test_smollm2.py",
+                 "test_gemma3_parity.py", "test_gemma3_long.py", "test_notebook.py", "test_llm.py",
+                 "test_readme_and_demo.py", "test_dsa_models.py", "test_gemma3_commands.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slowest files first, the others by number of tests (xdist's default); each file's tests stay
+    together and in order (a stable sort)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+    count = collections.Counter(str(item.path) for item in items)
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[str(item.path)], str(item.path)))
 
 
 @pytest.fixture(scope="module")
